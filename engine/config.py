@@ -1,0 +1,45 @@
+"""Scheduler and cache settings, with vLLM's names, checked once at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREEMPTION_MODES = ("swap", "recompute", "auto")
+
+
+@dataclass
+class SchedulerConfig:
+    num_gpu_blocks: int                 # device pool size in blocks
+    num_cpu_blocks: int = 0             # host (swap) pool size in blocks
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None    # None: as long as the device pool can hold
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "auto"
+    watermark: float = 0.01             # share of device blocks kept free when admitting work
+
+    def __post_init__(self) -> None:
+        for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {self.num_cpu_blocks!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two (the kernels tile by it), got {self.block_size}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        capacity = self.num_gpu_blocks * self.block_size
+        if self.max_model_len is None:
+            self.max_model_len = capacity
+        elif self.max_model_len < 1 or self.max_model_len > capacity:
+            # One request alone must always be able to finish, or preemption could never help it.
+            raise ValueError(
+                f"max_model_len={self.max_model_len} must be between 1 and what the device KV pool "
+                f"holds: {self.num_gpu_blocks} blocks x {self.block_size} tokens = {capacity} tokens")
+
+    @property
+    def watermark_blocks(self) -> int:
+        return int(self.watermark * self.num_gpu_blocks)

@@ -1,0 +1,328 @@
+"""Iteration-level continuous batching over the paged KV cache.
+
+Each step spends a token budget (`max_num_batched_tokens`) in this order:
+
+1. Running requests, earliest arrival first: one token for a decode, the rest of the prompt
+   (or as much as the budget allows: chunked prefill) for a request still prefilling. If the
+   device pool cannot hold a request's next tokens, the latest-arrived running request not yet
+   scheduled in this step is preempted, and then the next latest, until it fits; if none is
+   left, the request preempts itself.
+2. Swapped requests, earliest arrival first, swapped back in, but only in a step that
+   preempted nothing (so memory is not swapped out and in again at once) and only while the
+   device keeps a watermark of free blocks for the running requests to grow into.
+3. Waiting requests, first come first served, after their longest cached prefix is taken from
+   the prefix cache; only when nothing is swapped out (swapped requests resume first), nothing
+   was preempted, and under the same watermark. A prompt larger than the budget left starts
+   with a chunk.
+
+Preemption is by swap (the victim's blocks are copied to the host pool; it resumes from
+there) or by recompute (its blocks are freed, it goes back to the front of the waiting queue,
+and re-admission recomputes what the prefix cache no longer holds). `auto` chooses per victim:
+recompute when the victim holds at most one block of its own (the rest of its context is
+shared with running requests, so it stays on the device and is a guaranteed cache hit: a
+recompute costs at most a block of tokens and no host memory), otherwise swap, because
+copying a block costs far less than recomputing it (on this CPU ~2 us against ~20 ms for
+SmolLM2-135M). When the host pool is full, swap falls back to recompute. No request is ever
+dropped for lack of memory: `max_model_len` never exceeds what the device pool holds, so the
+highest-priority request can always run alone.
+"""
+from __future__ import annotations
+
+import time
+from bisect import insort
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+from engine.block_pool import BlockPool, NoFreeBlocksError
+from engine.config import SchedulerConfig
+from engine.kv_cache import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.stats import BlockInfo, BlockMap, BlockState, SchedulerStats
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+def _priority(request: Request) -> tuple[int, int]:
+    return (request.arrival, request.sample_index)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_gpu_blocks, config.num_cpu_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []   # earliest arrival first
+        self.swapped: list[Request] = []   # earliest arrival first
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.num_preemptions_swap = 0
+        self.num_preemptions_recompute = 0
+        self.num_steps = 0
+        self.last_stats: SchedulerStats = self._stats(SchedulerOutput())
+        self._finished_ids: list[str] = []
+
+    # ---- requests in and out ------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or refuse it at once if it could never run."""
+        n, limit = request.num_prompt_tokens, self.config.max_model_len
+        if n == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if n > limit:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens, more than max_model_len={limit} "
+                f"(the device KV pool holds {self.config.num_gpu_blocks * self.config.block_size} tokens)")
+        if request.request_id in self.requests:
+            raise ValueError(f"a request with id {request.request_id!r} is already running")
+        request.status = RequestStatus.WAITING
+        request.max_total_tokens = min(request.max_total_tokens, limit)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """End a request in any state and return all its blocks; with `reason` ABORT this is
+        abort, and it also ends the samples forked from it. False if no such request runs."""
+        targets = [request_id]
+        if reason is FinishReason.ABORT:
+            targets += [r.request_id for r in self.requests.values() if r.parent_id == request_id and r.sample_index]
+        found = False
+        for rid in targets:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            found = True
+            queue = {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,
+                     RequestStatus.SWAPPED: self.swapped}[request.status]
+            queue.remove(request)
+            self._release(request, reason)
+        return found
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.finish_request(request_id, FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg, kv = self.config, self.kv
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = cfg.max_num_batched_tokens
+        running = self.running
+
+        # 1. Running requests.
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
+            room = self._allocate_or_preempt(request, num_new, out)
+            if room is None:
+                break  # it preempted itself, so every request after it was preempted already
+            new_ids, copy = room
+            if copy is not None:
+                out.blocks_to_copy.append(copy)
+            self._schedule(out, request, num_new, new_ids)
+            budget -= num_new
+            i += 1
+        preempted = bool(out.preempted_ids)
+
+        # 2. Swapped requests.
+        if not preempted:
+            while self.swapped and budget > 0 and len(running) < cfg.max_num_seqs:
+                request = self.swapped[0]
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                if not self._fits(kv.num_blocks_to_swap_in(request, num_new)):
+                    break
+                self.swapped.pop(0)
+                out.blocks_to_swap_in += kv.swap_in(request)
+                new_ids, _ = kv.allocate_slots(request, num_new)
+                self._start_running(request)
+                self._schedule(out, request, num_new, new_ids)
+                budget -= num_new
+
+        # 3. Waiting requests.
+        if not preempted and not self.swapped:
+            while self.waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+                request = self.waiting[0]
+                cached = kv.find_cached_prefix(request)
+                num_cached_tokens = len(cached) * cfg.block_size
+                num_new = min(request.num_tokens - num_cached_tokens, budget)
+                if not self._fits(kv.num_blocks_to_admit(request, cached, num_new)):
+                    break
+                self.waiting.popleft()
+                kv.record_lookup(request, num_cached_tokens)
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_cached_tokens
+                new_ids = kv.admit(request, cached, num_new)
+                self._start_running(request)
+                self._schedule(out, request, num_new, new_ids)
+                budget -= num_new
+
+        self.num_steps += 1
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[Request]:
+        """Advance every scheduled request past the tokens it computed and append its sampled
+        tokens (`sampled[request_id]` holds `num_samples` of them). Returns the requests that
+        finished: stop token, `max_tokens` or `max_model_len`."""
+        kv, bs = self.kv, self.config.block_size
+        caching = self.config.enable_prefix_caching
+        finished: list[Request] = []
+        for item in out.scheduled:
+            request = item.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # finished by the caller between schedule and update
+            request.num_computed_tokens += item.num_new_tokens
+            if caching and request.num_computed_tokens // bs > request.num_registered_blocks:
+                kv.cache_full_blocks(request)
+            if not item.num_samples:
+                continue
+            tokens = sampled[request.request_id]
+            if item.num_samples > 1:
+                for index, token in enumerate(tokens[1:item.num_samples], start=1):
+                    child = self._fork(request, index)
+                    if self._append_token(child, token):
+                        finished.append(child)
+            if self._append_token(request, tokens[0]):
+                finished.append(request)
+        if finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        self.last_stats = self._stats(out)  # the state after the step
+        return finished
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _fits(self, num_blocks: int) -> bool:
+        """Admission test: leave the watermark free for the running requests to grow into. With
+        nothing running there is nothing to protect, so a request as large as the pool fits."""
+        reserve = self.config.watermark_blocks if self.running else 0
+        return self.kv.device.num_free - num_blocks >= reserve
+
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             out: SchedulerOutput) -> tuple[list[int], tuple[int, int] | None] | None:
+        """Room for the request's next tokens, preempting from the back of the running queue
+        until it fits. None if the request had to preempt itself."""
+        while True:
+            try:
+                return self.kv.allocate_slots(request, num_new)
+            except NoFreeBlocksError:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is request:
+                    return None
+
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, new_ids: list[int]) -> None:
+        start = request.num_computed_tokens
+        num_samples = 0
+        if start + num_new == len(request.all_token_ids):
+            n = request.sampling_params.n
+            num_samples = n if n > 1 and not request.forked and request.sample_index == 0 else 1
+        out.scheduled.append(ScheduledRequest(request, start, num_new, new_ids, num_samples))
+        if num_new == 1 and start >= request.num_prompt_tokens:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += num_new
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        insort(self.running, request, key=_priority)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            mode = "recompute" if self.kv.num_exclusive_blocks(victim) <= 1 else "swap"
+        if mode == "swap":
+            pairs = self.kv.swap_out(victim)
+            if pairs is not None:
+                out.blocks_to_swap_out += pairs
+                victim.status = RequestStatus.SWAPPED
+                insort(self.swapped, victim, key=_priority)
+                self.num_preemptions_swap += 1
+            else:
+                mode = "recompute"  # the host pool is full
+        if mode == "recompute":
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.WAITING
+            self.waiting.appendleft(victim)
+            self.num_preemptions_recompute += 1
+        victim.num_preemptions += 1
+        out.preempted_ids.append(victim.request_id)
+
+    def _fork(self, parent: Request, index: int) -> Request:
+        parent.forked = True
+        child = Request(f"{parent.request_id}#{index}", parent.prompt_token_ids, parent.sampling_params,
+                        parent.eos_token_id, parent_id=parent.request_id, sample_index=index)
+        child.arrival, child.arrival_time = parent.arrival, parent.arrival_time
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.max_total_tokens = parent.max_total_tokens
+        self.kv.fork(parent, child)
+        self.requests[child.request_id] = child
+        self._start_running(child)
+        return child
+
+    def _append_token(self, request: Request, token: int) -> bool:
+        """Append a sampled token; finish the request (returning True) if it should stop."""
+        request.all_token_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        if token in request.stop_ids:
+            request.stop_token_id = token
+            reason = FinishReason.STOP
+        elif len(request.all_token_ids) >= request.max_total_tokens:
+            reason = FinishReason.LENGTH
+        else:
+            return False
+        self._release(request, reason)
+        return True
+
+    def _release(self, request: Request, reason: FinishReason) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    # ---- snapshots ----------------------------------------------------------------------
+    def _stats(self, out: SchedulerOutput) -> SchedulerStats:
+        kv = self.kv
+        return SchedulerStats(
+            step=self.num_steps, timestamp=time.time(),
+            device_blocks_total=kv.device.num_blocks, device_blocks_used=kv.device.num_used,
+            device_blocks_cached=kv.device.num_cached_free,
+            host_blocks_total=kv.host.num_blocks, host_blocks_used=kv.host.num_used,
+            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
+            num_preemptions_swap=self.num_preemptions_swap,
+            num_preemptions_recompute=self.num_preemptions_recompute,
+            blocks_swapped_out=len(out.blocks_to_swap_out), blocks_swapped_in=len(out.blocks_to_swap_in),
+            blocks_copied=len(out.blocks_to_copy),
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens)
+
+    def block_map(self) -> BlockMap:
+        """Every device and host block with its state, ref count and owning request ids."""
+        device_owners: dict[int, list[str]] = {}
+        host_owners: dict[int, list[str]] = {}
+        for request in self.requests.values():
+            for block_id in request.block_ids:
+                device_owners.setdefault(block_id, []).append(request.request_id)
+            for block_id in request.host_block_ids:
+                host_owners.setdefault(block_id, []).append(request.request_id)
+        return BlockMap(self.config.block_size, _block_infos(self.kv.device, device_owners),
+                        _block_infos(self.kv.host, host_owners))
+
+
+def _block_infos(pool: BlockPool, owners: dict[int, list[str]]) -> tuple[BlockInfo, ...]:
+    infos = []
+    for block in pool.blocks:
+        if block.ref_count:
+            state = BlockState.USED
+        elif block.block_hash is not None:
+            state = BlockState.CACHED
+        else:
+            state = BlockState.FREE
+        infos.append(BlockInfo(block.block_id, state, block.ref_count, block.num_tokens, block.block_hash,
+                               tuple(owners.get(block.block_id, ()))))
+    return tuple(infos)

@@ -1,0 +1,38 @@
+"""Helpers for driving the scheduler with the simulated runner in tests."""
+from __future__ import annotations
+
+from engine import Request, SamplingParams, Scheduler, SchedulerConfig
+from engine.invariants import check_invariants
+from engine.simulated_runner import SimulatedRunner, reference_generation, run_step
+
+VOCAB = 50
+EOS = 0
+
+
+def make(**config) -> tuple[Scheduler, SimulatedRunner]:
+    config.setdefault("block_size", 4)
+    cfg = SchedulerConfig(**config)
+    return Scheduler(cfg), SimulatedRunner(cfg, vocab_size=VOCAB)
+
+
+def request(rid: str, prompt: list[int], max_tokens: int = 8, **params) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_id=EOS)
+
+
+def run(scheduler: Scheduler, runner: SimulatedRunner, max_steps: int = 10_000, on_step=None) -> dict[str, Request]:
+    """Step until nothing is left, checking invariants after every step; returns finished requests."""
+    done: dict[str, Request] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return done
+        out, finished = run_step(scheduler, runner)
+        check_invariants(scheduler)
+        if on_step:
+            on_step(out)
+        done.update((r.request_id, r) for r in finished)
+    raise AssertionError(f"not finished after {max_steps} steps")
+
+
+def expected(req: Request, max_model_len: int, sample_index: int = 0) -> list[int]:
+    return reference_generation(req.prompt_token_ids, req.sampling_params.max_tokens, VOCAB,
+                                None if req.sampling_params.ignore_eos else EOS, max_model_len, sample_index)

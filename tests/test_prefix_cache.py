@@ -1,0 +1,100 @@
+"""Prefix caching through the scheduler: shared system prompts, later turns, LRU order."""
+from engine.block_hash import extend_block_hashes, hash_block
+from engine.stats import BlockState
+from simulation import make, request, run
+
+SYSTEM = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]  # three blocks of 4
+
+
+def test_hash_chains_the_parent():
+    assert hash_block(0, [1, 2]) == hash_block(0, [1, 2])
+    assert hash_block(0, [1, 2]) != hash_block(hash_block(0, [3, 4]), [1, 2])
+    hashes: list[int] = []
+    extend_block_hashes(hashes, [1, 2, 3, 4, 5], 2, 2)
+    assert hashes == [hash_block(0, [1, 2]), hash_block(hash_block(0, [1, 2]), [3, 4])]
+
+
+def test_chats_sharing_a_system_prompt_hit_while_the_first_still_runs():
+    sched, runner = make(num_gpu_blocks=32)
+    sched.add_request(request("a", SYSTEM + [30, 31], max_tokens=20, ignore_eos=True))
+    for _ in range(2):
+        out = sched.schedule()
+        sched.update(out, runner.execute(out))
+    sched.add_request(request("b", SYSTEM + [40, 41, 42], max_tokens=20, ignore_eos=True))
+    out = sched.schedule()
+    sched.update(out, runner.execute(out))
+    a, b = sched.requests["a"], sched.requests["b"]
+    assert b.num_cached_tokens == len(SYSTEM)
+    assert a.block_ids[:3] == b.block_ids[:3]
+    shared = [info for info in sched.block_map().device if info.block_id in b.block_ids[:3]]
+    assert all(info.ref_count == 2 and set(info.owners) == {"a", "b"} for info in shared)
+    assert sched.last_stats.prefix_cache_hits == len(SYSTEM)
+    assert sched.last_stats.prefix_cache_queries == len(SYSTEM) + 2 + len(SYSTEM) + 3
+
+
+def test_new_chat_hits_the_system_prompt_after_the_first_finished():
+    sched, runner = make(num_gpu_blocks=32)
+    sched.add_request(request("a", SYSTEM + [30, 31], max_tokens=5, ignore_eos=True))
+    run(sched, runner)
+    sched.add_request(request("b", SYSTEM + [40], max_tokens=5, ignore_eos=True))
+    done = run(sched, runner)
+    assert done["b"].num_cached_tokens == len(SYSTEM)
+
+
+def test_turn_two_hits_turn_one():
+    sched, runner = make(num_gpu_blocks=32)
+    turn1 = request("t1", SYSTEM + [30, 31, 32], max_tokens=7, ignore_eos=True)
+    sched.add_request(turn1)
+    run(sched, runner)
+    history = turn1.all_token_ids  # prompt + reply: 15 + 7 = 22 tokens
+    sched.add_request(request("t2", history + [33, 34], max_tokens=3, ignore_eos=True))
+    done = run(sched, runner)
+    # Turn 1 computed KV for all but its last sampled token: 21 tokens, five full blocks.
+    assert done["t2"].num_cached_tokens == 20
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    sched, runner = make(num_gpu_blocks=32)
+    sched.add_request(request("a", SYSTEM, max_tokens=3, ignore_eos=True))
+    run(sched, runner)
+    sched.add_request(request("b", SYSTEM, max_tokens=3, ignore_eos=True))
+    out = sched.schedule()
+    assert out.scheduled[0].start == 8 and out.scheduled[0].num_new_tokens == 4
+    assert sched.requests["b"].num_cached_tokens == 8
+
+
+def test_caching_off_never_hits():
+    sched, runner = make(num_gpu_blocks=32, enable_prefix_caching=False)
+    for rid in ("a", "b"):
+        sched.add_request(request(rid, SYSTEM + [1], max_tokens=3, ignore_eos=True))
+        done = run(sched, runner)
+        assert done[rid].num_cached_tokens == 0
+    assert sched.kv.device.num_cached_free == 0
+    assert all(info.state is BlockState.FREE for info in sched.block_map().device)
+
+
+def test_free_queue_is_lru_with_tail_blocks_before_head_blocks():
+    sched, runner = make(num_gpu_blocks=16)
+    a = request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], max_tokens=1)
+    sched.add_request(a)
+    run(sched, runner)
+    b = request("b", [21, 22, 23, 24, 25, 26, 27, 28, 29], max_tokens=1)
+    sched.add_request(b)
+    run(sched, runner)
+    # a's three full blocks were freed first (tail first), then b's two (tail first).
+    _, cached = sched.kv.device.free_queue_ids()
+    a_blocks = [sched.kv.device.lookup(h).block_id for h in a.block_hashes[:3]]
+    b_blocks = [sched.kv.device.lookup(h).block_id for h in b.block_hashes[:2]]
+    assert cached == a_blocks[::-1] + b_blocks[::-1]
+    # Reusing a's head block makes it the most recently used once its new owner is done.
+    sched.add_request(request("c", [1, 2, 3, 4, 99], max_tokens=1))
+    run(sched, runner)
+    _, cached = sched.kv.device.free_queue_ids()
+    assert cached[-1] == a_blocks[0]
+    # Under pressure the least recently used (a's tail) is evicted first.
+    pool = sched.kv.device
+    while pool.num_free > pool.num_cached_free:
+        pool.allocate()
+    first_evicted = pool.allocate()
+    assert first_evicted.block_id == a_blocks[2]
+    assert pool.lookup(a.block_hashes[2]) is None and pool.lookup(a.block_hashes[1]) is not None
