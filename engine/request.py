@@ -86,7 +86,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    @property
-    def priority(self) -> tuple[int, int]:
-        return (self.arrival, self.sample_index)
