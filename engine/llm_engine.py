@@ -1,0 +1,197 @@
+"""The engine core: one object that owns the model, the scheduler and the cache, and turns
+`step()` calls into streamed text. Single-threaded: the client runs it on its own thread."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import SchedulerConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_loader import load_hf_model
+from engine.model_runner import ModelRunner
+from engine.models.llama import LlamaModel
+from engine.outputs import Delta, Usage
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.stats import BlockMap, SchedulerStats
+
+log = logging.getLogger(__name__)
+GiB = 1 << 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """fp32 on the CPU, bf16 on a GPU, unless asked otherwise."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class _SampleState:
+    detokenizer: IncrementalDetokenizer
+    emitted: int = 0  # output tokens already streamed
+
+
+class LLMEngine:
+    def __init__(self, model: str | None = None, device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None, *, block_size: int = 16,
+                 num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, kv_cache_memory_gib: float = 1.0,
+                 swap_space: float = 1.0, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                 preemption_mode: str = "auto", watermark: float = 0.01) -> None:
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        hf_model, self.tokenizer = load_hf_model(model, self.dtype)
+        self.model_name = str(model or hf_model.config.name_or_path)
+        self.model = LlamaModel(hf_model, self.dtype, self.device)
+        hf_config = hf_model.config
+        del hf_model
+        block_bytes = self.model.kv_block_bytes(block_size)
+        if num_gpu_blocks is None:
+            num_gpu_blocks = self._device_blocks(block_bytes, gpu_memory_utilization, kv_cache_memory_gib)
+        if num_cpu_blocks is None:
+            num_cpu_blocks = int(swap_space * GiB) // block_bytes
+        model_limit = getattr(hf_config, "max_position_embeddings", None) or num_gpu_blocks * block_size
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True):
+            model_limit = min(model_limit, window)  # beyond the window the model attends differently
+        if max_model_len is None:
+            max_model_len = min(model_limit, num_gpu_blocks * block_size)
+        elif max_model_len > model_limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds what the model supports ({model_limit})")
+        self.config = SchedulerConfig(
+            num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+            preemption_mode=preemption_mode, watermark=watermark)
+        self.scheduler = Scheduler(self.config)
+        self.runner = ModelRunner(self.model, num_gpu_blocks, num_cpu_blocks, block_size)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self._samples: dict[str, _SampleState] = {}
+
+    def _device_blocks(self, block_bytes: int, utilization: float, cpu_gib: float) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Leave (1 - utilization) of the card, and room for activations, to everything else.
+            budget = total * utilization - (total - free) - 2 * GiB
+        else:
+            budget = cpu_gib * GiB
+        blocks = int(budget) // block_bytes
+        if blocks < 1:
+            raise ValueError(f"no room for the KV cache: a block needs {block_bytes} bytes, budget {int(budget)}")
+        return blocks
+
+    # ---- requests -----------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=False).input_ids
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Queue a request; raises (queueing nothing) on an empty or too long prompt."""
+        request = Request(request_id, self.encode(prompt), params, eos_token_id=self.eos_token_id)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request and all its samples, in any state; its blocks return at once."""
+        for rid in [rid for rid in self._samples if rid == request_id or rid.startswith(request_id + "#")]:
+            del self._samples[rid]
+        self.scheduler.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self) -> list[Delta]:
+        out = self.scheduler.schedule()
+        try:
+            sampled = self.runner.execute(out)
+        except Exception as error:  # a failed forward fails the requests in it, not the engine
+            log.exception("model step failed")
+            return self._fail([item.request for item in out.scheduled], error)
+        finished = self.scheduler.update(out, sampled)
+        done = {r.request_id: r for r in finished}
+        deltas: list[Delta] = []
+        for item in out.scheduled:
+            if not item.num_samples:
+                continue
+            request = item.request
+            logprobs = self.runner.logprobs.get(request.request_id)
+            deltas += self._emit(request, logprobs[0] if logprobs else None)
+            for index in range(1, item.num_samples):  # samples forked this step
+                child_id = f"{request.request_id}#{index}"
+                child = self.scheduler.requests.get(child_id) or done.get(child_id)
+                if child is not None:
+                    deltas += self._emit(child, logprobs[index] if logprobs else None)
+        return deltas
+
+    def _emit(self, request: Request, logprobs: dict[int, float] | None) -> list[Delta]:
+        """The request's new output since it was last emitted: one sampled token per step."""
+        state = self._samples.get(request.request_id)
+        if state is None:
+            state = self._samples[request.request_id] = _SampleState(IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.sampling_params.stop))
+        new_tokens = request.all_token_ids[request.num_prompt_tokens + state.emitted:]
+        text = []
+        for token in new_tokens:
+            text.append(state.detokenizer.add(token))
+            if state.detokenizer.stopped:
+                if not request.is_finished:
+                    self.scheduler.finish_request(request.request_id, FinishReason.STOP)
+                break
+        state.emitted += len(new_tokens)
+        group_id = request.parent_id or request.request_id
+        lp = (logprobs,) if logprobs is not None else None
+        if not request.is_finished:
+            return [Delta(group_id, request.sample_index, "".join(text), tuple(new_tokens), logprobs=lp)]
+        if not state.detokenizer.stopped:
+            text.append(state.detokenizer.flush())
+        del self._samples[request.request_id]
+        return [Delta(group_id, request.sample_index, "".join(text), tuple(new_tokens),
+                      finish_reason=request.finish_reason.value, usage=self._usage(request), logprobs=lp)]
+
+    def _usage(self, request: Request) -> Usage:
+        now = time.monotonic()
+        first = request.first_token_time or now
+        return Usage(prompt_tokens=request.num_prompt_tokens, cached_tokens=max(request.num_cached_tokens, 0),
+                     completion_tokens=request.num_output_tokens, ttft_s=first - request.arrival_time,
+                     duration_s=now - request.arrival_time)
+
+    def _fail(self, requests: list[Request], error: Exception) -> list[Delta]:
+        deltas = []
+        for request in requests:
+            if request.is_finished:
+                continue
+            self.scheduler.finish_request(request.request_id, FinishReason.ABORT)
+            self._samples.pop(request.request_id, None)
+            deltas.append(Delta(request.parent_id or request.request_id, request.sample_index, "", (),
+                                finish_reason="error", usage=self._usage(request),
+                                error=f"{type(error).__name__}: {error}"))
+        return deltas
+
+    # ---- snapshots ----------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.last_stats
+
+    def block_map(self) -> BlockMap:
+        return self.scheduler.block_map()

@@ -1,0 +1,105 @@
+"""Executes one scheduler step on the model: moves blocks, builds the flattened batch, runs the
+forward pass and samples.
+
+It owns the KV-cache tensors: the device pool and the host swap pool (pinned when the device is
+CUDA), each `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, so every block is
+one contiguous region across all layers and a swap moves one region per block.
+"""
+from __future__ import annotations
+
+import torch
+
+import kernels
+from engine.models.llama import AttentionMetadata, LlamaModel
+from engine.sampler import SamplingRow, make_generator, sample
+from engine.scheduler_output import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.kv_cache = torch.zeros(model.kv_cache_shape(num_gpu_blocks, block_size), dtype=model.dtype,
+                                    device=self.device)
+        pin = self.device.type == "cuda"
+        self.host_cache = torch.zeros(model.kv_cache_shape(max(num_cpu_blocks, 0), block_size),
+                                      dtype=model.dtype, pin_memory=pin)
+        self._generators: dict[str, torch.Generator | None] = {}
+        # Per request sampled this step (when its params ask for logprobs): for each sample, the
+        # model's log-probabilities of its top tokens and of the sampled one.
+        self.logprobs: dict[str, list[dict[int, float]]] = {}
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        for request_id in out.finished_ids:
+            self._generators.pop(request_id, None)
+        self._move_blocks(out)
+        if not out.scheduled:
+            return {}
+        input_ids, positions, slots, cu_q, k_lens, table_rows, sample_rows = [], [], [], [0], [], [], []
+        bs = self.block_size
+        for item in out.scheduled:
+            request = item.request
+            start, end = item.start, item.start + item.num_new_tokens
+            input_ids += request.all_token_ids[start:end]
+            positions += range(start, end)
+            table = request.block_ids
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            cu_q.append(cu_q[-1] + item.num_new_tokens)
+            k_lens.append(end)
+            table_rows.append(table)
+            if item.num_samples:
+                sample_rows.append(len(cu_q) - 2)
+        device = self.device
+        width = max(len(t) for t in table_rows)
+        block_table = torch.tensor([t + [0] * (width - len(t)) for t in table_rows], dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
+            seqused_k=torch.tensor(k_lens, dtype=torch.int32).to(device, non_blocking=True),
+            block_table=block_table.to(device, non_blocking=True))
+        # Empty when every request is mid-prompt: the step only fills the cache.
+        logits_indices = torch.tensor([cu_q[i + 1] - 1 for i in sample_rows], dtype=torch.int64, device=device)
+        logits = self.model.forward(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
+                                    self.kv_cache, meta, logits_indices)
+        if not sample_rows:
+            return {}
+        rows = []
+        items = [out.scheduled[i] for i in sample_rows]
+        for item in items:
+            request = item.request
+            rows.append(SamplingRow(request.sampling_params, request.all_token_ids,
+                                    self._generator(request), item.num_samples))
+        tokens = sample(logits, rows)
+        self.logprobs = {}
+        for i, (item, toks) in enumerate(zip(items, tokens)):
+            k = item.request.sampling_params.logprobs
+            if k is not None:
+                self.logprobs[item.request_id] = _top_logprobs(logits[i], k, toks)
+        return {item.request_id: toks for item, toks in zip(items, tokens)}
+
+    def _generator(self, request) -> torch.Generator | None:
+        """One generator per request, so a seeded request samples the same tokens whatever else
+        is in the batch. Forked samples are seeded seed + sample index."""
+        rid = request.request_id
+        if rid not in self._generators:
+            seed = request.sampling_params.seed
+            self._generators[rid] = make_generator(None if seed is None else seed + request.sample_index,
+                                                   self.device)
+        return self._generators[rid]
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        # Order matters: a block swapped out may be handed to another request in the same step.
+        if out.blocks_to_swap_out:
+            kernels.swap_blocks(self.kv_cache, self.host_cache, torch.tensor(out.blocks_to_swap_out))
+        if out.blocks_to_swap_in:
+            kernels.swap_blocks(self.host_cache, self.kv_cache, torch.tensor(out.blocks_to_swap_in))
+        if out.blocks_to_copy:
+            kernels.copy_blocks(self.kv_cache, torch.tensor(out.blocks_to_copy, device=self.device))
+
+
+def _top_logprobs(logits: torch.Tensor, k: int, sampled: list[int]) -> list[dict[int, float]]:
+    logprobs = logits.float().log_softmax(-1)
+    top = logprobs.topk(k) if k else None
+    base = dict(zip(top.indices.tolist(), top.values.tolist())) if k else {}
+    return [{**base, token: float(logprobs[token])} for token in sampled]

@@ -1,0 +1,140 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) as the engine runs it.
+
+One forward pass takes the tokens of every scheduled request flattened into one sequence, with
+their positions; attention writes each token's K/V into the paged cache and reads each
+request's context back through its block table. Logits are computed only for the rows that
+sample. Weights come from the transformers model (same numerics: fp32 RMSNorm, rotate-half
+rotary embeddings, SiLU-gated MLP); q/k/v and gate/up projections are fused into one matmul each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs every layer's attention shares."""
+    slot_mapping: torch.Tensor   # [num_tokens] cache slot of each new token
+    cu_seqlens_q: torch.Tensor   # [num_seqs + 1] query offsets into the flattened batch
+    seqused_k: torch.Tensor      # [num_seqs] context length after this step
+    block_table: torch.Tensor    # [num_seqs, max_blocks] int32
+
+
+@dataclass
+class LlamaLayer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LlamaModel:
+    def __init__(self, hf_model, dtype: torch.dtype, device: torch.device) -> None:
+        config = hf_model.config
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.hidden_size = config.hidden_size
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.vocab_size = config.vocab_size
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        self.dtype, self.device = dtype, device
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(device=device, dtype=dtype).contiguous()
+
+        inner = hf_model.model
+        self.embed = take(inner.embed_tokens.weight)
+        self.norm = take(inner.norm.weight)
+        lm_head = hf_model.get_output_embeddings().weight
+        self.lm_head = self.embed if lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr() else take(lm_head)
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+            self.layers.append(LlamaLayer(
+                input_norm=take(layer.input_layernorm.weight),
+                qkv=take(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
+                qkv_bias=take(torch.cat(biases)) if biases[0] is not None else None,
+                o_proj=take(attn.o_proj.weight),
+                post_norm=take(layer.post_attention_layernorm.weight),
+                gate_up=take(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                down=take(mlp.down_proj.weight)))
+        rotary = inner.rotary_emb
+        self._inv_freq = rotary.inv_freq.detach().float().to(device)
+        self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self._cos_sin = self._rope_table(getattr(config, "max_position_embeddings", 4096))
+
+    def _rope_table(self, length: int) -> torch.Tensor:
+        """cos and sin for positions 0..length-1, `[length, 2, head_dim]`, as transformers
+        computes them (fp32, then cast)."""
+        positions = torch.arange(length, device=self.device, dtype=torch.float32)
+        freqs = torch.outer(positions, self._inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        table = torch.stack([emb.cos(), emb.sin()], dim=1) * self._rope_scaling
+        return table.to(self.dtype)
+
+    @property
+    def num_parameters(self) -> int:
+        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if t is not None]
+        return sum(t.numel() for t in tensors)
+
+    def kv_block_bytes(self, block_size: int, dtype: torch.dtype | None = None) -> int:
+        element = torch.empty((), dtype=dtype or self.dtype).element_size()
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * element
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: `[num_tokens]`; returns fp32 logits `[len(logits_indices), vocab]`."""
+        if int(positions.max()) >= self._cos_sin.shape[0]:
+            self._cos_sin = self._rope_table(2 * int(positions.max()) + 1)
+        cos_sin = self._cos_sin[positions]  # [num_tokens, 2, head_dim]
+        cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]
+        hidden = F.embedding(input_ids, self.embed)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        for index, layer in enumerate(self.layers):
+            x = _rms_norm(hidden, layer.input_norm, self.eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = _rotate(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+            k = _rotate(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            k_cache, v_cache = kv_cache[:, index, 0], kv_cache[:, index, 1]
+            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
+                                           meta.block_table, self.scale)
+            hidden = hidden + F.linear(attn.reshape(-1, q_size), layer.o_proj)
+            x = _rms_norm(hidden, layer.post_norm, self.eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        last = _rms_norm(hidden[logits_indices], self.norm, self.eps)
+        return F.linear(last, self.lm_head).float()
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # transformers normalises in fp32 and casts back before the weight.
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

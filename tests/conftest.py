@@ -1,0 +1,51 @@
+"""Shared fixtures. The real model and its tokenizer load once per test session; everything
+else runs on a tiny random-weight Llama built from a config."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer (ChatML template, eos `<|im_end|>` = 2)."""
+    from engine.model_loader import load_tokenizer
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A 2-layer Llama with grouped-query attention (4 query heads, 2 K/V heads) and random
+    weights, saved as a local model folder with SmolLM2's tokenizer. Weights are drawn wide
+    enough that greedy decoding has clear winners rather than float-noise ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.3,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=1, pad_token_id=tokenizer.eos_token_id)
+    model = LlamaForCausalLM(config).eval()
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_model_dir):
+    from engine.model_loader import load_hf_model
+    return load_hf_model(tiny_model_dir)[0]
+
+
+@pytest.fixture(scope="session")
+def smol_llm():
+    """The real default model on our engine, shared by the few tests that need it."""
+    from engine import LLM
+    return LLM(num_gpu_blocks=512, num_cpu_blocks=64)
+
+
+@pytest.fixture(scope="session")
+def smol_hf():
+    from engine.model_loader import load_hf_model
+    return load_hf_model(None)[0]

@@ -1,0 +1,133 @@
+"""The engine against transformers, and against itself under every memory and batching regime."""
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.model_loader import UnsupportedModelError
+from hf_reference import check_close, hf_greedy
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def prompts_of(tokenizer, texts):
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+
+
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with the ends of worms "
+    "and an oozy smell, nor yet a dry, bare, sandy hole with nothing in it to sit down on or to eat: it was a",
+    "1, 2, 3, 5, 8,",
+    "Once",
+    "Translate to French: I would like a cup of coffee, please. ->",
+]
+
+
+def test_real_model_greedy_equals_transformers(smol_llm, smol_hf):
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}]]
+    for chat in chats:
+        ids = smol_llm.engine.encode(smol_llm.engine.apply_chat_template(chat))
+        ours = smol_llm.generate([ids], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0].token_ids
+        assert ours == hf_greedy(smol_hf, ids, 24)
+
+
+def test_real_model_chat_reply_reads_right(smol_llm):
+    out = smol_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(temperature=0, max_tokens=30))[0]
+    assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids[-1] == 2  # <|im_end|>
+    assert "<|im_end|>" not in out.outputs[0].text
+
+
+def test_tiny_model_greedy_equals_transformers_one_prompt_at_a_time(tiny_model_dir, tiny_hf, tokenizer):
+    llm = LLM(tiny_model_dir, num_gpu_blocks=128)
+    for ids in prompts_of(tokenizer, TEXTS):
+        ours = llm.generate([ids], SamplingParams(max_tokens=40, **GREEDY))[0].outputs[0].token_ids
+        assert ours == hf_greedy(tiny_hf, ids, 40)
+
+
+def test_mixed_length_batch_agrees_with_transformers(tiny_model_dir, tiny_hf, tokenizer, smol_llm, smol_hf):
+    for llm, hf in ((LLM(tiny_model_dir, num_gpu_blocks=128), tiny_hf), (smol_llm, smol_hf)):
+        prompts = prompts_of(tokenizer, TEXTS)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=20, logprobs=5, **GREEDY))
+        for ids, out in zip(prompts, outs):
+            check_close(out.outputs[0].token_ids, out.outputs[0].logprobs, hf_greedy(hf, ids, 20), hf, ids)
+
+
+def run_all(llm, prompts, **params):
+    outs = llm.generate(prompts, SamplingParams(**params))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def workload(tokenizer):
+    system = ("You are a careful assistant. Answer briefly and cite the facts you rely on. " * 3)
+    return prompts_of(tokenizer, [system + t for t in TEXTS] + TEXTS)
+
+
+@pytest.fixture(scope="module")
+def unconstrained(tiny_model_dir, workload):
+    llm = LLM(tiny_model_dir, num_gpu_blocks=512, enable_prefix_caching=False)
+    return {"greedy": run_all(llm, workload, max_tokens=48, **GREEDY),
+            "seeded": run_all(llm, workload, max_tokens=48, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)}
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
+def test_tiny_pool_preemption_gives_identical_outputs(tiny_model_dir, workload, unconstrained, mode):
+    llm = LLM(tiny_model_dir, num_gpu_blocks=24, num_cpu_blocks=64, preemption_mode=mode, max_num_batched_tokens=64)
+    assert run_all(llm, workload, max_tokens=48, **GREEDY) == unconstrained["greedy"]
+    stats = llm.stats()
+    assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
+    if mode == "swap":
+        assert stats.num_preemptions_swap > 0
+    if mode == "recompute":
+        assert stats.num_preemptions_swap == 0
+    seeded = run_all(llm, workload, max_tokens=48, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    assert seeded == unconstrained["seeded"]
+    assert llm.stats().device_blocks_used == 0 and llm.stats().host_blocks_used == 0
+
+
+def test_prefix_caching_and_chunked_prefill_give_identical_outputs(tiny_model_dir, workload, unconstrained):
+    cached = LLM(tiny_model_dir, num_gpu_blocks=512, enable_prefix_caching=True)
+    assert run_all(cached, workload, max_tokens=48, **GREEDY) == unconstrained["greedy"]
+    again = cached.generate(workload, SamplingParams(max_tokens=4, **GREEDY))
+    assert all(o.num_cached_tokens > 0 for o in again if len(o.prompt_token_ids) > 16)
+    chunked = LLM(tiny_model_dir, num_gpu_blocks=512, max_num_batched_tokens=16)
+    assert run_all(chunked, workload, max_tokens=48, **GREEDY) == unconstrained["greedy"]
+
+
+def test_n_samples_share_the_prompt_and_are_reproducible(tiny_model_dir, tokenizer):
+    llm = LLM(tiny_model_dir, num_gpu_blocks=128)
+    prompt = prompts_of(tokenizer, [TEXTS[2]])[0]
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=3, ignore_eos=True)
+    first = llm.generate([prompt], params)[0]
+    assert len(first.outputs) == 3 and all(len(o.token_ids) == 12 for o in first.outputs)
+    assert len({tuple(o.token_ids) for o in first.outputs}) == 3
+    second = llm.generate([prompt], params)[0]
+    assert [o.token_ids for o in second.outputs] == [o.token_ids for o in first.outputs]
+    assert llm.stats().device_blocks_used == 0
+
+
+def test_stop_strings_and_max_tokens_finish_with_the_right_reason(tiny_model_dir, tokenizer):
+    llm = LLM(tiny_model_dir, num_gpu_blocks=128)
+    prompt = prompts_of(tokenizer, [TEXTS[0]])[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=30, **GREEDY))[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 30
+    stop = free.text[len(free.text) // 2:][:3]
+    cut = llm.generate([prompt], SamplingParams(max_tokens=30, stop=[stop], **GREEDY))[0].outputs[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    assert free.text.startswith(cut.text) and len(cut.text) <= free.text.index(stop)
+
+
+def test_refuses_what_it_cannot_serve(tiny_model_dir, tmp_path):
+    llm = LLM(tiny_model_dir, num_gpu_blocks=8, block_size=16)
+    with pytest.raises(ValueError, match="max_model_len=128"):
+        llm.generate([list(range(5, 200))], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished()
+    from transformers import GPT2Config
+    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported"):
+        LLM(str(tmp_path))
