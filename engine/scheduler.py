@@ -13,7 +13,8 @@ Each step spends a token budget (`max_num_batched_tokens`) in this order:
 3. Waiting requests, first come first served, after their longest cached prefix is taken from
    the prefix cache; only when nothing is swapped out (swapped requests resume first), nothing
    was preempted, and under the same watermark. A prompt larger than the budget left starts
-   with a chunk.
+   with a chunk. A request whose next block is still being computed for another request waits
+   for it (one step, usually) rather than computing it again.
 
 Preemption is by swap (the victim's blocks are copied to the host pool; it resumes from
 there) or by recompute (its blocks are freed, it goes back to the front of the waiting queue,
@@ -146,9 +147,13 @@ class Scheduler:
 
         # 3. Waiting requests.
         if not preempted and not self.swapped:
+            in_flight = self._blocks_in_flight() if self.waiting and cfg.enable_prefix_caching else set()
             while self.waiting and budget > 0 and len(running) < cfg.max_num_seqs:
                 request = self.waiting[0]
                 cached = kv.find_cached_prefix(request)
+                hashes = request.block_hashes
+                if len(cached) < len(hashes) and hashes[len(cached)] in in_flight:
+                    break  # its next block is being computed for another request: hit it next step
                 num_cached_tokens = len(cached) * cfg.block_size
                 num_new = min(request.num_tokens - num_cached_tokens, budget)
                 if not self._fits(kv.num_blocks_to_admit(request, cached, num_new)):
@@ -161,6 +166,7 @@ class Scheduler:
                 self._start_running(request)
                 self._schedule(out, request, num_new, new_ids)
                 budget -= num_new
+                in_flight.update(hashes[len(cached):])
 
         self.num_steps += 1
         return out
@@ -200,6 +206,17 @@ class Scheduler:
         nothing running there is nothing to protect, so a request as large as the pool fits."""
         reserve = self.config.watermark_blocks if self.running else 0
         return self.kv.device.num_free - num_blocks >= reserve
+
+    def _blocks_in_flight(self) -> set[int]:
+        """Hashes of the full blocks that running requests have still to compute. Admitting a
+        request that needs one of them now would compute it twice; a step later it is a hit
+        (chats sharing a system prompt that arrive together compute it once)."""
+        bs = self.config.block_size
+        pending: set[int] = set()
+        for request in self.running:
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                pending.update(request.block_hashes[request.num_computed_tokens // bs:])
+        return pending
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              out: SchedulerOutput) -> tuple[list[int], tuple[int, int] | None] | None:

@@ -25,6 +25,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache[blocks, offsets] = value
 
 
+SHORT_QUERY = 64  # sequences with at most this many queries are batched together
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
                     softmax_scale: float, causal: bool = True) -> torch.Tensor:
@@ -38,12 +41,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     k_lens = seqused_k.tolist()
-    decode = [i for i in range(len(k_lens)) if starts[i + 1] - starts[i] == 1]
-    if decode:
-        _decode_attention(q, k_cache, v_cache, starts, k_lens, block_table, softmax_scale, decode, out)
-    for i in range(len(k_lens)):
-        q_len = starts[i + 1] - starts[i]
-        if q_len > 1:
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(k_lens))]
+    short = [i for i, n in enumerate(q_lens) if 0 < n <= SHORT_QUERY]
+    if short:
+        _short_query_attention(q, k_cache, v_cache, starts, q_lens, k_lens, block_table, softmax_scale,
+                               causal, short, out)
+    for i, q_len in enumerate(q_lens):
+        if q_len > SHORT_QUERY:
             rows = slice(starts[i], starts[i + 1])
             out[rows] = _sequence_attention(q[rows], k_cache, v_cache, block_table[i], k_lens[i],
                                             softmax_scale, causal)
@@ -59,6 +63,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Ten
 
 def _sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                         k_len: int, scale: float, causal: bool) -> torch.Tensor:
+    """One long prefill chunk: its context gathered once, then torch's fused attention."""
     num_blocks = -(-k_len // k_cache.shape[1])
     k = _gather(k_cache, blocks[:num_blocks], k_len).transpose(0, 1)  # [kv_heads, k_len, head_dim]
     v = _gather(v_cache, blocks[:num_blocks], k_len).transpose(0, 1)
@@ -72,20 +77,76 @@ def _sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out.transpose(0, 1)
 
 
-def _decode_attention(q, k_cache, v_cache, starts, k_lens, block_table, scale, rows, out) -> None:
-    """All one-query sequences at once, padded to the longest context and masked."""
-    index = torch.tensor(rows, device=q.device)
-    lens = torch.tensor([k_lens[i] for i in rows], device=q.device)
+def _short_query_attention(q, k_cache, v_cache, starts, q_lens, k_lens, block_table, scale, causal,
+                           seqs, out) -> None:
+    """Decodes and short prefill chunks, all at once, padded to the longest.
+
+    Chats that share a system prompt share its blocks. The keys every sequence has in common and
+    that lie before all of their queries (a shared prefix of whole blocks) are read once for the
+    whole batch; only each sequence's own remainder is gathered per sequence. The two partial
+    softmaxes are merged through their maxima and sums (flash-attention's rescaling), in fp32.
+    """
+    device, bs = q.device, k_cache.shape[1]
+    num_seqs, kv_heads = len(seqs), k_cache.shape[2]
+    heads, head_dim = q.shape[1], q.shape[2]
+    rep = heads // kv_heads
+    max_q = max(q_lens[i] for i in seqs)
+    lens = torch.tensor([k_lens[i] for i in seqs], device=device)
+    qlens = torch.tensor([q_lens[i] for i in seqs], device=device)
+    tables = block_table[torch.tensor(seqs, device=device)]
+    common = _common_blocks(tables, min(k_lens[i] - q_lens[i] for i in seqs) // bs) if num_seqs > 1 else 0
+
+    # Query rows, padded: [num_seqs, max_q] -> flat positions in q (padding points at row 0).
+    offsets = torch.arange(max_q, device=device)
+    valid = offsets[None, :] < qlens[:, None]
+    rows = torch.tensor([starts[i] for i in seqs], device=device)[:, None] + offsets[None, :]
+    rows = torch.where(valid, rows, torch.zeros_like(rows))
+    qs = q[rows].float().view(num_seqs, max_q, kv_heads, rep, head_dim)
+    qs = qs.permute(0, 2, 1, 3, 4).reshape(num_seqs, kv_heads, max_q * rep, head_dim) * scale
+
+    # Each sequence's own keys: positions common*bs .. k_len-1.
     max_len = int(lens.max())
-    num_blocks = -(-max_len // k_cache.shape[1])
-    tables = block_table[index, :num_blocks]
-    k = _gather(k_cache, tables, max_len).transpose(1, 2)  # [rows, kv_heads, max_len, head_dim]
-    v = _gather(v_cache, tables, max_len).transpose(1, 2)
-    positions = [starts[i] for i in rows]
-    qd = q[positions].unsqueeze(2)  # [rows, heads, 1, head_dim]
-    mask = (torch.arange(max_len, device=q.device) < lens[:, None])[:, None, None, :]
-    out[positions] = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale,
-                                                    enable_gqa=True).squeeze(2)
+    first, num_blocks = common * bs, -(-max_len // bs) - common
+    k = _gather(k_cache, tables[:, common:common + num_blocks], max_len - first).float()
+    v = _gather(v_cache, tables[:, common:common + num_blocks], max_len - first).float()
+    scores = qs @ k.permute(0, 2, 3, 1)  # [num_seqs, kv_heads, max_q * rep, own_len]
+    key_pos = first + torch.arange(max_len - first, device=device)
+    allowed = key_pos[None, None, :] < lens[:, None, None]                  # [num_seqs, 1, own_len]
+    if causal:
+        query_pos = (lens - qlens)[:, None] + offsets[None, :]              # [num_seqs, max_q]
+        allowed = allowed & (key_pos[None, None, :] <= query_pos[:, :, None])
+    allowed = allowed.repeat_interleave(rep, dim=1) if allowed.shape[1] > 1 else allowed
+    scores = scores.masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
+    m = scores.amax(dim=-1, keepdim=True)
+    p = (scores - m).exp()
+    total = p.sum(dim=-1, keepdim=True)
+    acc = p @ v.permute(0, 2, 1, 3)  # [num_seqs, kv_heads, max_q * rep, head_dim]
+
+    if common:
+        shared = tables[0, :common]
+        kp = _gather(k_cache, shared, first).float().permute(1, 2, 0)  # [kv_heads, head_dim, first]
+        vp = _gather(v_cache, shared, first).float().transpose(0, 1)   # [kv_heads, first, head_dim]
+        qp = qs.transpose(0, 1).reshape(kv_heads, num_seqs * max_q * rep, head_dim)
+        sp = qp @ kp
+        mp = sp.amax(dim=-1, keepdim=True)
+        pp = (sp - mp).exp()
+        shape = (kv_heads, num_seqs, max_q * rep, 1)
+        mp, tp = mp.view(shape).transpose(0, 1), pp.sum(dim=-1, keepdim=True).view(shape).transpose(0, 1)
+        ap = (pp @ vp).view(kv_heads, num_seqs, max_q * rep, head_dim).transpose(0, 1)
+        m_all = torch.maximum(m, mp)
+        own, pre = (m - m_all).exp(), (mp - m_all).exp()
+        acc = acc * own + ap * pre
+        total = total * own + tp * pre
+    result = (acc / total).view(num_seqs, kv_heads, max_q, rep, head_dim).permute(0, 2, 1, 3, 4)
+    out[rows[valid]] = result.reshape(num_seqs, max_q, heads, head_dim)[valid].to(out.dtype)
+
+
+def _common_blocks(tables: torch.Tensor, limit: int) -> int:
+    """How many leading block ids every row of `tables` shares, at most `limit`."""
+    if limit <= 0:
+        return 0
+    same = (tables[:, :limit] == tables[:1, :limit]).all(dim=0)
+    return int(same.cumprod(0).sum())
 
 
 def copy_blocks(cache: torch.Tensor, pairs: torch.Tensor) -> None:

@@ -98,3 +98,26 @@ def test_free_queue_is_lru_with_tail_blocks_before_head_blocks():
     first_evicted = pool.allocate()
     assert first_evicted.block_id == a_blocks[2]
     assert pool.lookup(a.block_hashes[2]) is None and pool.lookup(a.block_hashes[1]) is not None
+
+
+def test_chats_arriving_together_compute_a_shared_system_prompt_once():
+    sched, runner = make(num_gpu_blocks=64, max_num_batched_tokens=256)
+    for i in range(4):
+        sched.add_request(request(f"c{i}", SYSTEM + [40 + i, 41 + i], max_tokens=3, ignore_eos=True))
+    out = sched.schedule()
+    sched.update(out, runner.execute(out))
+    assert [s.request_id for s in out.scheduled] == ["c0"]  # the rest wait one step for its blocks
+    done = run(sched, runner)
+    assert [done[f"c{i}"].num_cached_tokens for i in range(1, 4)] == [len(SYSTEM)] * 3
+    assert sched.last_stats.prefix_cache_hits == 3 * len(SYSTEM)
+
+
+def test_a_long_shared_prompt_in_chunks_is_still_computed_once():
+    long_system = list(range(5, 45))  # 10 blocks, prefilled in chunks of 8 tokens
+    sched, runner = make(num_gpu_blocks=64, max_num_batched_tokens=8)
+    sched.add_request(request("a", long_system + [1], max_tokens=2, ignore_eos=True))
+    sched.add_request(request("b", long_system + [2], max_tokens=2, ignore_eos=True))
+    computed = {"a": 0, "b": 0}
+    run(sched, runner, on_step=lambda out: [computed.__setitem__(s.request_id, computed[s.request_id] + s.num_new_tokens)
+                                            for s in out.scheduled])
+    assert computed["b"] <= 4 + 2  # its last partial block and decode only

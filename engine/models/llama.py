@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from engine.models.linear import Linear
 
 
 @dataclass
@@ -28,12 +29,11 @@ class AttentionMetadata:
 @dataclass
 class LlamaLayer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 class LlamaModel:
@@ -56,19 +56,20 @@ class LlamaModel:
         self.embed = take(inner.embed_tokens.weight)
         self.norm = take(inner.norm.weight)
         lm_head = hf_model.get_output_embeddings().weight
-        self.lm_head = self.embed if lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr() else take(lm_head)
+        self.tied = lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr()
+        self.lm_head = Linear(self.embed if self.tied else take(lm_head))
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
             self.layers.append(LlamaLayer(
                 input_norm=take(layer.input_layernorm.weight),
-                qkv=take(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
-                qkv_bias=take(torch.cat(biases)) if biases[0] is not None else None,
-                o_proj=take(attn.o_proj.weight),
+                qkv=Linear(take(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
+                           take(torch.cat(biases)) if biases[0] is not None else None),
+                o_proj=Linear(take(attn.o_proj.weight)),
                 post_norm=take(layer.post_attention_layernorm.weight),
-                gate_up=take(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                down=take(mlp.down_proj.weight)))
+                gate_up=Linear(take(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))),
+                down=Linear(take(mlp.down_proj.weight))))
         rotary = inner.rotary_emb
         self._inv_freq = rotary.inv_freq.detach().float().to(device)
         self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -85,10 +86,11 @@ class LlamaModel:
 
     @property
     def num_parameters(self) -> int:
-        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        """Every weight counted once (a tied output embedding is the input embedding)."""
+        total = self.embed.numel() + self.norm.numel() + (0 if self.tied else self.lm_head.numel())
         for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if t is not None]
-        return sum(t.numel() for t in tensors)
+            total += sum(part.numel() for part in vars(layer).values())
+        return total
 
     def kv_block_bytes(self, block_size: int, dtype: torch.dtype | None = None) -> int:
         element = torch.empty((), dtype=dtype or self.dtype).element_size()
@@ -110,7 +112,7 @@ class LlamaModel:
         kv_size = self.num_kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
             x = _rms_norm(hidden, layer.input_norm, self.eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = _rotate(q.view(-1, self.num_heads, self.head_dim), cos, sin)
             k = _rotate(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
@@ -119,12 +121,12 @@ class LlamaModel:
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
                                            meta.block_table, self.scale)
-            hidden = hidden + F.linear(attn.reshape(-1, q_size), layer.o_proj)
+            hidden = hidden + layer.o_proj(attn.reshape(-1, q_size))
             x = _rms_norm(hidden, layer.post_norm, self.eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
         last = _rms_norm(hidden[logits_indices], self.norm, self.eps)
-        return F.linear(last, self.lm_head).float()
+        return self.lm_head(last).float()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
