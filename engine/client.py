@@ -91,15 +91,17 @@ class EngineClient:
                     self._handle(self._inbox.get_nowait())
             except queue.Empty:
                 pass
-            if self.engine.has_unfinished():
-                try:
-                    self._route(self.engine.step())
-                except Exception:  # a bug must not hang every caller: end their streams instead
-                    log.exception("engine step failed; ending every open request")
-                    for request_id in list(self._streams):
-                        self.engine.abort_request(request_id)
-                        self._finish_stream(request_id, "error")
-                self._stats = self.engine.stats()
+            if not self.engine.has_unfinished():  # an abort may have emptied it: no step will say so
+                self._stats = self.engine.scheduler.current_stats()
+                continue
+            try:
+                self._route(self.engine.step())
+            except Exception:  # a bug must not hang every caller: end their streams instead
+                log.exception("engine step failed; ending every open request")
+                for request_id in list(self._streams):
+                    self.engine.abort_request(request_id)
+                    self._finish_stream(request_id, "error")
+            self._stats = self.engine.stats()
         for request_id in list(self._streams):
             self._finish_stream(request_id, "abort")
 

@@ -304,6 +304,10 @@ class Scheduler:
         self._finished_ids.append(request.request_id)
 
     # ---- snapshots ----------------------------------------------------------------------
+    def current_stats(self) -> SchedulerStats:
+        """Stats of the present state, with nothing scheduled: for between steps (after an abort)."""
+        return self._stats(SchedulerOutput())
+
     def _stats(self, out: SchedulerOutput) -> SchedulerStats:
         kv = self.kv
         return SchedulerStats(

@@ -1,0 +1,103 @@
+"""The engine client: many concurrent callers, streaming, abort, disconnects, snapshots."""
+import threading
+import time
+
+import pytest
+
+from engine import SamplingParams
+from engine.client import EngineClient
+from engine.llm_engine import LLMEngine
+from engine.scheduler import PromptTooLongError
+
+QUESTIONS = [f"Question {i}: tell me something about the number {i * 7}." for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=96, num_cpu_blocks=64, max_num_seqs=16))
+    yield client
+    client.close()
+
+
+def wait_until_idle(client, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = client.stats()
+        if stats.device_blocks_used == 0 and stats.num_running + stats.num_waiting + stats.num_swapped == 0:
+            return stats
+        time.sleep(0.02)
+    raise AssertionError(f"engine still busy: {client.stats()}")
+
+
+def test_concurrent_callers_each_get_their_own_complete_reply(client, tiny_model_dir):
+    from engine import LLM
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [o.outputs[0].text for o in LLM(tiny_model_dir, num_gpu_blocks=256).generate(QUESTIONS, params)]
+    results: dict[int, list] = {}
+
+    def chat(i):
+        results[i] = list(client.submit(QUESTIONS[i], params))
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(len(QUESTIONS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, deltas in results.items():
+        assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 40
+        assert "".join(d.text for d in deltas) == expected[i]
+        assert sum(len(d.token_ids) for d in deltas) == 40
+    assert len(results) == len(QUESTIONS)
+    assert client.stats().num_running == 0
+
+
+def test_a_caller_that_stops_reading_frees_its_blocks(client):
+    stream = client.submit(QUESTIONS[0], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+    first = [next(stream), next(stream)]
+    assert all(d.finish_reason is None for d in first)
+    assert client.stats().device_blocks_used > 0
+    stream.close()  # what Python does when a consumer breaks out or disconnects
+    wait_until_idle(client)
+
+
+def test_abort_ends_the_stream_and_frees_its_blocks(client):
+    stream = client.submit(QUESTIONS[1], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True),
+                           request_id="to-abort")
+    next(stream)
+    client.abort("to-abort")
+    rest = list(stream)
+    assert rest[-1].finish_reason == "abort"
+    wait_until_idle(client)
+
+
+def test_bad_prompts_raise_at_submit_and_others_keep_streaming(client):
+    good = client.submit(QUESTIONS[2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    limit = client.engine.config.max_model_len
+    with pytest.raises(PromptTooLongError, match=f"max_model_len={limit}"):
+        client.submit(list(range(5, 5 + limit + 1)), SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="empty"):
+        client.submit("", SamplingParams(max_tokens=4))
+    deltas = list(good)
+    assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 30
+
+
+def test_usage_and_snapshots_while_streaming(client):
+    system = "You are a helpful assistant that answers in one short sentence. " * 4
+    list(client.submit(system + "Hi!", SamplingParams(temperature=0, max_tokens=4)))
+    stream = client.submit(system + "Hello!", SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    next(stream)
+    block_map = client.block_map()
+    used = [b for b in block_map.device if b.state.value == "used"]
+    assert used and all(b.owners for b in used)
+    assert len(block_map.device) == client.engine.config.num_gpu_blocks
+    final = list(stream)[-1]
+    assert final.usage.cached_tokens >= 16 and final.usage.prompt_tokens > final.usage.cached_tokens
+    assert 0 < final.usage.ttft_s <= final.usage.duration_s
+
+
+def test_chat_messages_and_n_samples_through_the_client(client):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    deltas = list(client.submit(messages, SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=8, ignore_eos=True)))
+    finals = [d for d in deltas if d.finish_reason]
+    assert sorted(d.index for d in finals) == [0, 1]
+    wait_until_idle(client)
