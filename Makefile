@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean
+.PHONY: run test bench simulate clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
+	$(BIN)/python -m engine
+
+simulate: $(STAMP)
 	$(BIN)/python -m engine.simulate
 
 test: $(STAMP)
@@ -20,6 +23,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/scheduler_overhead.py
+	$(BIN)/python benchmarks/throughput.py
 
 clean:
 	rm -rf $(VENV)

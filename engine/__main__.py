@@ -1,6 +1,8 @@
-"""`python -m engine "prompt"`: stream one reply to the terminal.
+"""`python -m engine`: chat with the model in the terminal; `python -m engine "prompt"`: one reply.
 
-The prompt is sent as a user message through the model's chat template (--raw sends it as is).
+Prompts go through the model's chat template as user messages (--raw sends a prompt as is).
+In a chat, each turn's prompt starts with the whole conversation so far, which the prefix cache
+still holds, so only the new message is computed: the status line shows how many tokens hit.
 """
 from __future__ import annotations
 
@@ -11,9 +13,26 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 
+def stream_reply(engine: LLMEngine, request_id: str, prompt: str, params: SamplingParams) -> str:
+    engine.add_request(request_id, prompt, params)
+    text = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            text.append(delta.text)
+            if delta.usage:
+                u = delta.usage
+                rate = (u.completion_tokens - 1) / max(u.duration_s - u.ttft_s, 1e-9)
+                print(f"\n[{u.completion_tokens} tokens, first after {u.ttft_s:.2f} s, {rate:.1f} tokens/s; "
+                      f"{u.cached_tokens} of {u.prompt_tokens} prompt tokens from the prefix cache; "
+                      f"finish: {delta.finish_reason}]", file=sys.stderr)
+    return "".join(text)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine", description="Stream a reply from the engine.")
-    parser.add_argument("prompt")
+    parser = argparse.ArgumentParser(prog="python -m engine", description="Chat with the engine in the terminal.")
+    parser.add_argument("prompt", nargs="?", help="reply to this one prompt and exit (default: chat)")
     parser.add_argument("--model", default=None, help="hub id or folder (default: $MODEL or SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--system", default=None, help="system prompt")
@@ -25,22 +44,27 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     engine = LLMEngine(args.model, args.device)
-    prompt = args.prompt
-    if not args.raw:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        prompt = engine.apply_chat_template(messages + [{"role": "user", "content": args.prompt}])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
-    engine.add_request("cli", prompt, params)
-    while engine.has_unfinished():
-        for delta in engine.step():
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
-            if delta.usage:
-                u = delta.usage
-                rate = u.completion_tokens / max(u.duration_s - u.ttft_s, 1e-9)
-                print(f"\n\n[{u.completion_tokens} tokens, first after {u.ttft_s:.2f} s, "
-                      f"{rate:.1f} tokens/s, finish: {delta.finish_reason}]", file=sys.stderr)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    if args.prompt is not None:
+        prompt = args.prompt if args.raw else engine.apply_chat_template(
+            messages + [{"role": "user", "content": args.prompt}])
+        stream_reply(engine, "cli", prompt, params)
+        return
+    print(f"Chatting with {engine.model_name} on {engine.device} ({engine.config.num_gpu_blocks} KV blocks). "
+          "Empty line or Ctrl-D to quit.", file=sys.stderr)
+    for turn in range(1_000_000):
+        try:
+            line = input("\nyou> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        print("bot> ", end="")
+        reply = stream_reply(engine, f"turn-{turn}", engine.apply_chat_template(messages), params)
+        messages.append({"role": "assistant", "content": reply})
 
 
 if __name__ == "__main__":

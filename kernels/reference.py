@@ -56,9 +56,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens held by `blocks`: `[..., length, num_kv_heads, head_dim]`."""
-    gathered = cache[blocks]  # [..., num_blocks, block_size, kv_heads, head_dim]
-    shape = gathered.shape
-    return gathered.reshape(*shape[:-4], shape[-4] * shape[-3], *shape[-2:])[..., :length, :, :]
+    # index_select copies whole block rows; advanced indexing on the strided per-layer view is
+    # ~2x slower here.
+    gathered = cache.index_select(0, blocks.reshape(-1))  # [n, block_size, kv_heads, head_dim]
+    return gathered.view(*blocks.shape[:-1], -1, *cache.shape[2:])[..., :length, :, :]
 
 
 def _sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
@@ -84,7 +85,7 @@ def _short_query_attention(q, k_cache, v_cache, starts, q_lens, k_lens, block_ta
     Chats that share a system prompt share its blocks. The keys every sequence has in common and
     that lie before all of their queries (a shared prefix of whole blocks) are read once for the
     whole batch; only each sequence's own remainder is gathered per sequence. The two partial
-    softmaxes are merged through their maxima and sums (flash-attention's rescaling), in fp32.
+    attentions are merged through their log-sum-exps (flash-attention's rescaling).
     """
     device, bs = q.device, k_cache.shape[1]
     num_seqs, kv_heads = len(seqs), k_cache.shape[2]
@@ -101,44 +102,51 @@ def _short_query_attention(q, k_cache, v_cache, starts, q_lens, k_lens, block_ta
     valid = offsets[None, :] < qlens[:, None]
     rows = torch.tensor([starts[i] for i in seqs], device=device)[:, None] + offsets[None, :]
     rows = torch.where(valid, rows, torch.zeros_like(rows))
-    qs = q[rows].float().view(num_seqs, max_q, kv_heads, rep, head_dim)
-    qs = qs.permute(0, 2, 1, 3, 4).reshape(num_seqs, kv_heads, max_q * rep, head_dim) * scale
+    # [num_seqs, kv_heads, max_q * rep, head_dim]: a K/V head's query heads are just more rows.
+    qs = q[rows].view(num_seqs, max_q, kv_heads, rep, head_dim).permute(0, 2, 1, 3, 4)
+    qs = qs.reshape(num_seqs, kv_heads, max_q * rep, head_dim)
 
     # Each sequence's own keys: positions common*bs .. k_len-1.
     max_len = int(lens.max())
     first, num_blocks = common * bs, -(-max_len // bs) - common
-    k = _gather(k_cache, tables[:, common:common + num_blocks], max_len - first).float()
-    v = _gather(v_cache, tables[:, common:common + num_blocks], max_len - first).float()
-    scores = qs @ k.permute(0, 2, 3, 1)  # [num_seqs, kv_heads, max_q * rep, own_len]
+    own = tables[:, common:common + num_blocks]
+    k = _gather(k_cache, own, max_len - first).transpose(1, 2)  # [num_seqs, kv_heads, own_len, head_dim]
+    v = _gather(v_cache, own, max_len - first).transpose(1, 2)
     key_pos = first + torch.arange(max_len - first, device=device)
     allowed = key_pos[None, None, :] < lens[:, None, None]                  # [num_seqs, 1, own_len]
     if causal:
         query_pos = (lens - qlens)[:, None] + offsets[None, :]              # [num_seqs, max_q]
         allowed = allowed & (key_pos[None, None, :] <= query_pos[:, :, None])
-    allowed = allowed.repeat_interleave(rep, dim=1) if allowed.shape[1] > 1 else allowed
-    scores = scores.masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
-    m = scores.amax(dim=-1, keepdim=True)
-    p = (scores - m).exp()
-    total = p.sum(dim=-1, keepdim=True)
-    acc = p @ v.permute(0, 2, 1, 3)  # [num_seqs, kv_heads, max_q * rep, head_dim]
+    allowed = allowed.repeat_interleave(rep, dim=1) if allowed.shape[1] > 1 else allowed.expand(-1, max_q * rep, -1)
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    result, lse = _attention_with_lse(qs, k, v, bias[:, None], scale)
 
     if common:
         shared = tables[0, :common]
-        kp = _gather(k_cache, shared, first).float().permute(1, 2, 0)  # [kv_heads, head_dim, first]
-        vp = _gather(v_cache, shared, first).float().transpose(0, 1)   # [kv_heads, first, head_dim]
-        qp = qs.transpose(0, 1).reshape(kv_heads, num_seqs * max_q * rep, head_dim)
-        sp = qp @ kp
-        mp = sp.amax(dim=-1, keepdim=True)
-        pp = (sp - mp).exp()
-        shape = (kv_heads, num_seqs, max_q * rep, 1)
-        mp, tp = mp.view(shape).transpose(0, 1), pp.sum(dim=-1, keepdim=True).view(shape).transpose(0, 1)
-        ap = (pp @ vp).view(kv_heads, num_seqs, max_q * rep, head_dim).transpose(0, 1)
-        m_all = torch.maximum(m, mp)
-        own, pre = (m - m_all).exp(), (mp - m_all).exp()
-        acc = acc * own + ap * pre
-        total = total * own + tp * pre
-    result = (acc / total).view(num_seqs, kv_heads, max_q, rep, head_dim).permute(0, 2, 1, 3, 4)
-    out[rows[valid]] = result.reshape(num_seqs, max_q, heads, head_dim)[valid].to(out.dtype)
+        kp = _gather(k_cache, shared, first).transpose(0, 1)[None]  # [1, kv_heads, first, head_dim]
+        vp = _gather(v_cache, shared, first).transpose(0, 1)[None]
+        qp = qs.transpose(0, 1).reshape(1, kv_heads, num_seqs * max_q * rep, head_dim)
+        shared_out, shared_lse = _attention_with_lse(qp, kp, vp, None, scale)
+        shared_out = shared_out.view(kv_heads, num_seqs, max_q * rep, head_dim).transpose(0, 1)
+        shared_lse = shared_lse.view(kv_heads, num_seqs, max_q * rep).transpose(0, 1)
+        total = torch.logaddexp(lse, shared_lse)
+        result = (result * (lse - total).exp()[..., None].to(result.dtype)
+                  + shared_out * (shared_lse - total).exp()[..., None].to(result.dtype))
+    result = result.view(num_seqs, kv_heads, max_q, rep, head_dim).permute(0, 2, 1, 3, 4)
+    out[rows[valid]] = result.reshape(num_seqs, max_q, heads, head_dim)[valid]
+
+
+def _attention_with_lse(q, k, v, bias, scale):
+    """Softmax attention and each query row's log-sum-exp of its scores (fp32). q, k, v:
+    `[batch, heads, rows, head_dim]`, k and v may be strided views; bias: additive mask or None."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                          scale=scale)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias
+    lse = scores.logsumexp(dim=-1)
+    return ((scores - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
 
 
 def _common_blocks(tables: torch.Tensor, limit: int) -> int:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 def test_readme_scheduler_example_runs():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    code = readme.split("Driving the scheduler directly:\n\n```python\n")[1].split("```")[0]
+    code = readme.split("The scheduler can also be driven directly, with the simulated model:\n\n```python\n")[1].split("```")[0]
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)
     assert scope["finished"][0].num_output_tokens == 8
