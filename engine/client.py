@@ -1,7 +1,8 @@
 """The engine client the app uses: the step loop on a background thread, many callers at once.
 
-Only the loop thread touches the engine. Callers talk to it through one thread-safe inbox
-(add, abort, snapshot requests) and read their request's deltas from a queue of its own.
+Only the loop thread touches the engine, its tokenizer included. Callers talk to it through one
+thread-safe inbox (add, abort, snapshot requests) and read their request's deltas from a queue
+of its own.
 `submit()` validates and queues at once (a bad prompt raises in the caller) and returns an
 iterator; a caller that stops iterating aborts its request, so its blocks return at once.
 """
@@ -41,13 +42,10 @@ class EngineClient:
         """Queue a prompt (text, token ids, or chat messages rendered with the chat template) and
         return an iterator over its deltas, ending after every sample's final delta."""
         params = params or SamplingParams()
-        if prompt and isinstance(prompt, list) and isinstance(prompt[0], dict):
-            prompt = self.engine.apply_chat_template(prompt)
-        token_ids = self.engine.encode(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
         stream: queue.SimpleQueue = queue.SimpleQueue()
         future: Future = Future()
-        self._inbox.put(("add", request_id, token_ids, params, stream, future))
+        self._inbox.put(("add", request_id, prompt, params, stream, future))
         future.result()  # an empty or too long prompt, or a duplicate id, raises here
         return self._iterate(request_id, stream)
 
@@ -108,11 +106,14 @@ class EngineClient:
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "add":
-            _, request_id, token_ids, params, stream, future = message
+            _, request_id, prompt, params, stream, future = message
             try:
                 if request_id in self._streams:
                     raise ValueError(f"a request with id {request_id!r} is already running")
-                self.engine.add_request(request_id, token_ids, params)
+                # The tokenizer is used on this thread only: fast tokenizers are not safe to share.
+                if prompt and isinstance(prompt, list) and isinstance(prompt[0], dict):
+                    prompt = self.engine.apply_chat_template(prompt)
+                self.engine.add_request(request_id, prompt, params)
             except Exception as error:
                 future.set_exception(error)
                 return
