@@ -1,7 +1,52 @@
-"""Paged-KV operations: Triton GPU kernels where available, the torch reference otherwise.
+"""Paged-KV operations: Triton kernels when the cache lives on CUDA, the torch reference otherwise.
 
-The engine calls these names only; which implementation runs is decided here.
+`PAGEDCHAT_KERNELS=triton` or `=torch` forces one (Triton on the CPU needs TRITON_INTERPRET=1,
+set before triton is imported: the tests do this). The engine calls these names only.
 """
-from kernels.reference import copy_blocks, paged_attention, store_kv, swap_blocks
+from __future__ import annotations
 
-__all__ = ["copy_blocks", "paged_attention", "store_kv", "swap_blocks"]
+import os
+
+import torch
+
+from kernels import reference
+
+BACKENDS = ("triton", "torch")
+
+
+def backend(tensor: torch.Tensor) -> str:
+    forced = os.environ.get("PAGEDCHAT_KERNELS", "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"PAGEDCHAT_KERNELS must be one of {BACKENDS}, got {forced!r}")
+        return forced
+    return "triton" if tensor.is_cuda else "torch"
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    if backend(k_cache) == "triton":
+        from kernels import triton_cache
+        return triton_cache.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    return reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal=True,
+                    out=None) -> torch.Tensor:
+    if backend(k_cache) == "triton":
+        from kernels import triton_attention
+        return triton_attention.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table,
+                                                softmax_scale, causal, out)
+    return reference.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, softmax_scale,
+                                     causal, out)
+
+
+def copy_blocks(cache, pairs) -> None:
+    if backend(cache) == "triton":
+        from kernels import triton_cache
+        return triton_cache.copy_blocks(cache, pairs)
+    return reference.copy_blocks(cache, pairs)
+
+
+swap_blocks = reference.swap_blocks
+
+__all__ = ["backend", "copy_blocks", "paged_attention", "store_kv", "swap_blocks"]

@@ -30,15 +30,16 @@ SHORT_QUERY = 64  # sequences with at most this many queries are batched togethe
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
-                    softmax_scale: float, causal: bool = True) -> torch.Tensor:
+                    softmax_scale: float, causal: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for a varlen batch reading K/V through block tables (flash-attn's convention).
 
     q: `[total_q, num_heads, head_dim]`, sequence i's queries at `cu_seqlens_q[i]:cu_seqlens_q[i+1]`;
     its keys are the first `seqused_k[i]` tokens of the blocks `block_table[i]`. The causal mask
     is aligned bottom-right: the last query sees every key. `num_heads` is a multiple of
-    `num_kv_heads` (grouped-query attention). Returns `[total_q, num_heads, head_dim]`.
+    `num_kv_heads` (grouped-query attention). Returns `[total_q, num_heads, head_dim]` (written
+    into `out` when given).
     """
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     starts = cu_seqlens_q.tolist()
     k_lens = seqused_k.tolist()
     q_lens = [starts[i + 1] - starts[i] for i in range(len(k_lens))]
@@ -164,6 +165,21 @@ def copy_blocks(cache: torch.Tensor, pairs: torch.Tensor) -> None:
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
-    """Copy whole blocks between pools: `dst[d] = src[s]` for each row (s, d) of `pairs`."""
-    if pairs.numel():
-        dst[pairs[:, 1].to(dst.device)] = src[pairs[:, 0].to(src.device)].to(dst.device, non_blocking=True)
+    """Copy whole blocks between pools: `dst[d] = src[s]` for each row (s, d) of `pairs`.
+
+    One copy per run of consecutive blocks (each block is one region across all layers), issued
+    asynchronously on CUDA: the host pool is pinned, and later kernels on the stream wait for it.
+    """
+    for s0, d0, n in contiguous_runs(pairs.tolist()):
+        dst[d0:d0 + n].copy_(src[s0:s0 + n], non_blocking=True)
+
+
+def contiguous_runs(pairs: list[list[int]]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) for maximal runs where both ids go up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in pairs:
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs

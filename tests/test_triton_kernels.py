@@ -1,0 +1,88 @@
+"""The Triton kernels against the torch reference on fresh random inputs, under TRITON_INTERPRET=1
+on a CPU (tests/conftest.py sets it when there is no GPU) or for real on a GPU. Outputs are
+poisoned with NaN first, so an element a kernel fails to write fails the comparison."""
+import pytest
+import torch
+
+from kernels import reference
+from paged_inputs import CASES, build
+
+triton_attention = pytest.importorskip("kernels.triton_attention")
+triton_cache = pytest.importorskip("kernels.triton_cache")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
+             torch.float16: dict(rtol=1e-2, atol=1e-2)}
+
+
+def on_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+def poisoned(like):
+    return torch.full_like(like, float("nan"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (6, 2, 64), (8, 1, 128)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention_equals_reference(case, heads, kv_heads, head_dim, dtype):
+    q_lens, k_lens, shared = CASES[case]
+    q, k_cache, v_cache, cu, seqused, table, _ = build(q_lens, k_lens, kv_heads, heads, head_dim, shared,
+                                                       seed=hash(case) % 1000, dtype=dtype)
+    q, k_cache, v_cache, cu, seqused, table = on_device(q, k_cache, v_cache, cu, seqused, table)
+    scale = head_dim ** -0.5
+    want = reference.paged_attention(q, k_cache, v_cache, cu, seqused, table, scale)
+    got = triton_attention.paged_attention(q, k_cache, v_cache, cu, seqused, table, scale, out=poisoned(q))
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_flash_decoding_splits_equal_reference(num_splits):
+    q, k_cache, v_cache, cu, seqused, table, _ = build([1, 1, 1], [300, 47, 129], 3, 9, 64, seed=4)
+    q, k_cache, v_cache, cu, seqused, table = on_device(q, k_cache, v_cache, cu, seqused, table)
+    want = reference.paged_attention(q, k_cache, v_cache, cu, seqused, table, 0.125)
+    got = triton_attention.paged_attention(q, k_cache, v_cache, cu, seqused, table, 0.125, out=poisoned(q),
+                                           num_splits=num_splits)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_store_kv_equals_reference_and_skips_padding():
+    cache = poisoned(torch.empty(6, 2, 2, 16, 3, 64, device=DEVICE))
+    expected = cache.clone()
+    key, value = torch.randn(5, 3, 64, device=DEVICE), torch.randn(5, 3, 64, device=DEVICE)
+    slots = torch.tensor([0, 17, -1, 95, 40], device=DEVICE)
+    reference.store_kv(key, value, expected[:, 1, 0], expected[:, 1, 1], slots)
+    triton_cache.store_kv(key, value, cache[:, 1, 0], cache[:, 1, 1], slots)
+    torch.testing.assert_close(cache, expected, equal_nan=True)
+    assert int(cache.isnan().logical_not().sum()) == 4 * 2 * 3 * 64  # four slots, K and V, nothing else
+
+
+def test_copy_blocks_equals_reference():
+    cache = torch.randn(8, 2, 2, 16, 3, 64, device=DEVICE)
+    expected = cache.clone()
+    pairs = torch.tensor([[1, 5], [2, 6], [1, 7]], device=DEVICE)
+    reference.copy_blocks(expected, pairs)
+    triton_cache.copy_blocks(cache, pairs)
+    assert torch.equal(cache, expected)
+
+
+def test_engine_outputs_with_triton_forced_equal_the_torch_path(tiny_model_dir, tokenizer, monkeypatch):
+    from engine import LLM, SamplingParams
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in
+               ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a land far away,"]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    forked = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+
+    calls = []
+    launch = triton_attention.paged_attention
+    monkeypatch.setattr(triton_attention, "paged_attention", lambda *a, **k: calls.append(1) or launch(*a, **k))
+
+    def run(kernels):
+        monkeypatch.setenv("PAGEDCHAT_KERNELS", kernels)
+        llm = LLM(tiny_model_dir, num_gpu_blocks=64, max_num_batched_tokens=32)
+        outs = llm.generate(prompts, greedy) + llm.generate([prompts[2]], forked)
+        return [[o.token_ids for o in out.outputs] for out in outs]
+
+    with_triton = run("triton")
+    assert calls, "the Triton kernels did not run"
+    assert with_triton == run("torch")
