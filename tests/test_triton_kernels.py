@@ -22,7 +22,7 @@ def poisoned(like):
     return torch.full_like(like, float("nan"))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (6, 2, 64), (8, 1, 128)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_paged_attention_equals_reference(case, heads, kv_heads, head_dim, dtype):
@@ -36,9 +36,9 @@ def test_paged_attention_equals_reference(case, heads, kv_heads, head_dim, dtype
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("num_splits", [2, 5])
-def test_flash_decoding_splits_equal_reference(num_splits):
-    q, k_cache, v_cache, cu, seqused, table, _ = build([1, 1, 1], [300, 47, 129], 3, 9, 64, seed=4)
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_long_context_decodes_with_and_without_flash_decoding_splits(num_splits):
+    q, k_cache, v_cache, cu, seqused, table, _ = build([1, 1, 1], [2000, 47, 129], 3, 9, 64, seed=4)
     q, k_cache, v_cache, cu, seqused, table = on_device(q, k_cache, v_cache, cu, seqused, table)
     want = reference.paged_attention(q, k_cache, v_cache, cu, seqused, table, 0.125)
     got = triton_attention.paged_attention(q, k_cache, v_cache, cu, seqused, table, 0.125, out=poisoned(q),
