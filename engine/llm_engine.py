@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import torch
 
 from engine.config import SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.model_loader import load_hf_model
+from engine.model_loader import DEFAULT_MODEL_NAME, load_hf_model
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
 from engine.outputs import Delta, Usage
@@ -58,7 +59,7 @@ class LLMEngine:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         hf_model, self.tokenizer = load_hf_model(model, self.dtype)
-        self.model_name = str(model or hf_model.config.name_or_path)
+        self.model_name = model or os.environ.get("MODEL") or DEFAULT_MODEL_NAME
         self.model = LlamaModel(hf_model, self.dtype, self.device)
         hf_config = hf_model.config
         del hf_model
