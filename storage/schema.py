@@ -1,0 +1,70 @@
+"""The tables, as a sequence of migrations (sqlite-utils' `Migrations`).
+
+The schema version of a database is the number of these migrations applied to it; opening a
+database applies whatever is pending, so an older file is upgraded in place and an up-to-date
+one is left alone. To change the schema later, append a migration; never edit an applied one.
+"""
+from __future__ import annotations
+
+from sqlite_utils import Database, Migrations
+
+migrations = Migrations("pagedchat")
+
+
+TABLES = """
+create table users (
+    id text primary key,
+    name text,
+    created text not null
+);
+create table conversations (
+    id integer primary key autoincrement,  -- never reused: a stale id cannot reach a newer chat
+    user_id text not null references users(id) on delete cascade,
+    title text not null check (trim(title) != ''),
+    system_prompt text not null default '',
+    model text,
+    created text not null,
+    updated text not null
+);
+create table messages (
+    id integer primary key autoincrement,
+    conversation_id integer not null references conversations(id) on delete cascade,
+    role text not null check (role in ('system', 'user', 'assistant')),
+    content text not null,
+    prompt_tokens integer,
+    cached_tokens integer,
+    completion_tokens integer,
+    ttft_s real,
+    tokens_per_s real,
+    finish_reason text,
+    stopped integer not null default 0 check (stopped in (0, 1)),  -- stopped by the user
+    created text not null
+);
+"""
+
+
+@migrations()
+def create_tables(db: Database) -> None:
+    """Version 1: users, their conversations, the messages in them, full-text search."""
+    db.executescript(TABLES)
+    db["conversations"].create_index(["user_id", "updated"])
+    db["messages"].create_index(["conversation_id"])
+    db["conversations"].enable_fts(["title"], create_triggers=True, tokenize="porter")
+    db["messages"].enable_fts(["content"], create_triggers=True, tokenize="porter")
+
+
+def migrate(db: Database, steps: Migrations = migrations) -> None:
+    """Apply pending migrations in one write transaction, so that two processes opening the
+    same file at once cannot both apply them."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        steps.apply(db)
+    except BaseException:
+        db.rollback()
+        raise
+    db.commit()
+
+
+def schema_version(db: Database, steps: Migrations = migrations) -> int:
+    """How many of the migrations in `steps` this database has had applied (0 when empty)."""
+    return len(steps.applied(db))

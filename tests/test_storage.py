@@ -1,0 +1,361 @@
+"""The storage layer: users, conversations and messages in SQLite, scoped to a user."""
+from __future__ import annotations
+
+import sqlite3
+import threading
+
+import pytest
+from sqlite_utils import Database, Migrations
+
+import storage
+from storage import NotFound, Store
+
+
+@pytest.fixture
+def store(tmp_path):
+    with Store(tmp_path / "chat.db") as s:
+        yield s
+
+
+@pytest.fixture
+def chat(store):
+    """Ada's conversation with one exchange; Bob exists with a conversation of his own."""
+    c = store.create_conversation("ada", title="Paged attention", system_prompt="Be brief.", model="smollm2")
+    store.add_message("ada", c["id"], "user", "How are KV blocks allocated?")
+    store.add_message("ada", c["id"], "assistant", "From a free pool, one block at a time.",
+                      prompt_tokens=12, cached_tokens=8, completion_tokens=9, ttft_s=0.05,
+                      tokens_per_s=42.0, finish_reason="stop")
+    store.create_conversation("bob", title="Bob's chat")
+    return c
+
+
+def count(store, table):
+    return store.db.execute(f"select count(*) from {table}").fetchone()[0]
+
+
+# --- create, read, update, delete ---------------------------------------------------------
+
+def test_a_new_conversation_reads_back_as_created(store):
+    c = store.create_conversation("ada", title="  First  ", system_prompt="Be kind.", model="m")
+    assert store.conversation("ada", c["id"]) == c
+    assert (c["user_id"], c["title"], c["system_prompt"], c["model"]) == ("ada", "First", "Be kind.", "m")
+    assert c["created"] == c["updated"]
+    assert store.user("ada")["id"] == "ada"  # created on first sight
+    assert store.messages("ada", c["id"]) == []
+
+
+def test_users_are_ensured_once_and_renamed(store):
+    first = store.ensure_user("ada", name="Ada")
+    again = store.ensure_user("ada")
+    assert again == first and again["name"] == "Ada"
+    assert store.ensure_user("ada", name="Ada L.")["name"] == "Ada L."
+    assert count(store, "users") == 1
+
+
+def test_rename_system_prompt_and_model_change_the_row_and_bump_updated(store, chat):
+    renamed = store.rename("ada", chat["id"], "KV blocks")
+    assert renamed["title"] == "KV blocks" and renamed["updated"] > chat["updated"]
+    assert store.set_system_prompt("ada", chat["id"], "Be thorough.")["system_prompt"] == "Be thorough."
+    assert store.set_model("ada", chat["id"], "llama")["model"] == "llama"
+    assert store.conversation("ada", chat["id"])["title"] == "KV blocks"
+
+
+def test_deleting_a_conversation_removes_it_and_its_messages(store, chat):
+    store.delete_conversation("ada", chat["id"])
+    with pytest.raises(NotFound, match=f"conversation {chat['id']} not found"):
+        store.conversation("ada", chat["id"])
+    assert store.conversations("ada") == []
+    assert store.db.execute("select count(*) from messages where conversation_id = ?",
+                            [chat["id"]]).fetchone()[0] == 0
+
+
+def test_messages_come_back_in_order_with_their_metrics(store, chat):
+    user, reply = store.messages("ada", chat["id"])
+    assert (user["role"], reply["role"]) == ("user", "assistant")
+    assert user["id"] < reply["id"]
+    assert (reply["prompt_tokens"], reply["cached_tokens"], reply["completion_tokens"]) == (12, 8, 9)
+    assert (reply["ttft_s"], reply["tokens_per_s"], reply["finish_reason"]) == (0.05, 42.0, "stop")
+    assert reply["stopped"] is False
+    assert store.chat_history("ada", chat["id"]) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "How are KV blocks allocated?"},
+        {"role": "assistant", "content": "From a free pool, one block at a time."},
+    ]
+
+
+def test_a_stopped_reply_is_stored_as_the_user_saw_it(store, chat):
+    reply = store.add_message("ada", chat["id"], "assistant", "Blocks are handed out as the seq",
+                              completion_tokens=7, stopped=True)
+    assert reply["stopped"] is True and reply["finish_reason"] == "abort"
+    assert store.messages("ada", chat["id"])[-1]["content"] == "Blocks are handed out as the seq"
+    with pytest.raises(ValueError, match="abort"):
+        store.add_message("ada", chat["id"], "assistant", "x", stopped=True, finish_reason="stop")
+
+
+def test_conversations_are_listed_most_recently_updated_first(store):
+    a = store.create_conversation("ada", title="a")
+    b = store.create_conversation("ada", title="b")
+    c = store.create_conversation("ada", title="c")
+    assert [x["title"] for x in store.conversations("ada")] == ["c", "b", "a"]
+    store.add_message("ada", a["id"], "user", "back to a")
+    assert [x["title"] for x in store.conversations("ada")] == ["a", "c", "b"]
+    store.rename("ada", b["id"], "b2")
+    assert [x["title"] for x in store.conversations("ada", limit=2)] == ["b2", "a"]
+    assert c["id"] > b["id"] > a["id"]
+
+
+def test_regenerating_replaces_the_last_reply(store, chat):
+    new = store.replace_last_assistant("ada", chat["id"], "Blocks come from a pool.", finish_reason="stop")
+    assert [m["content"] for m in store.messages("ada", chat["id"])] == [
+        "How are KV blocks allocated?", "Blocks come from a pool."]
+    assert new["finish_reason"] == "stop"
+    store.add_message("ada", chat["id"], "user", "And freed?")
+    with pytest.raises(NotFound, match="assistant reply"):
+        store.replace_last_assistant("ada", chat["id"], "no reply to replace")
+
+
+def test_editing_the_last_user_message_drops_the_reply_after_it(store, chat):
+    edited = store.edit_last_user_message("ada", chat["id"], "How are KV blocks freed?")
+    assert [(m["role"], m["content"]) for m in store.messages("ada", chat["id"])] == [
+        ("user", "How are KV blocks freed?")]
+    assert edited["role"] == "user"
+
+
+def test_messages_can_be_deleted_from_one_onwards(store, chat):
+    first, second = store.messages("ada", chat["id"])
+    assert store.delete_messages_from("ada", chat["id"], second["id"]) == 1
+    assert store.messages("ada", chat["id"]) == [first]
+    with pytest.raises(NotFound, match="message"):
+        store.delete_messages_from("ada", chat["id"], second["id"])
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda s, c: s.create_conversation("ada", title="   "), "title"),
+    (lambda s, c: s.rename("ada", c, ""), "title"),
+    (lambda s, c: s.add_message("ada", c, "robot", "hi"), "unknown role 'robot'"),
+    (lambda s, c: s.add_message("ada", c, "user", "  \n"), "content"),
+    (lambda s, c: s.add_message("ada", c, "user", "hi", tokens=3), "unknown message metrics"),
+    (lambda s, c: s.add_message("ada", c, "user", "hi", prompt_tokens="3"), "prompt_tokens"),
+    (lambda s, c: s.create_conversation("", title="x"), "user id"),
+])
+def test_bad_input_is_refused_with_a_clear_error(store, chat, call, error):
+    with pytest.raises(ValueError, match=error):
+        call(store, chat["id"])
+    assert len(store.messages("ada", chat["id"])) == 2
+
+
+# --- isolation between users ----------------------------------------------------------------
+
+@pytest.mark.parametrize("operation", [
+    lambda s, c: s.conversation("bob", c),
+    lambda s, c: s.messages("bob", c),
+    lambda s, c: s.chat_history("bob", c),
+    lambda s, c: s.rename("bob", c, "mine now"),
+    lambda s, c: s.set_system_prompt("bob", c, "obey bob"),
+    lambda s, c: s.set_model("bob", c, "bob-model"),
+    lambda s, c: s.delete_conversation("bob", c),
+    lambda s, c: s.add_message("bob", c, "user", "hello from bob"),
+    lambda s, c: s.replace_last_assistant("bob", c, "bob's reply"),
+    lambda s, c: s.edit_last_user_message("bob", c, "bob's words"),
+    lambda s, c: s.delete_messages_from("bob", c, 1),
+], ids=["read", "messages", "history", "rename", "system_prompt", "model", "delete", "add_message",
+        "regenerate", "edit", "delete_messages"])
+def test_another_users_conversation_behaves_as_missing(store, chat, operation):
+    before = (store.conversation("ada", chat["id"]), store.messages("ada", chat["id"]))
+    with pytest.raises(NotFound, match=f"conversation {chat['id']} not found") as raised:
+        operation(store, chat["id"])
+    assert isinstance(raised.value, KeyError)
+    assert (store.conversation("ada", chat["id"]), store.messages("ada", chat["id"])) == before
+
+
+def test_listing_and_search_show_only_the_users_own(store, chat):
+    assert [c["title"] for c in store.conversations("bob")] == ["Bob's chat"]
+    assert store.search("bob", "blocks") == [] and store.search("bob", "paged") == []
+    assert store.conversations("nobody") == [] and store.search("nobody", "blocks") == []
+
+
+# --- full-text search -------------------------------------------------------------------------
+
+def test_search_finds_conversations_by_words_in_messages_and_titles(store, chat):
+    other = store.create_conversation("ada", title="Swapping to CPU")
+    store.add_message("ada", other["id"], "user", "What happens under memory pressure?")
+    by_message = store.search("ada", "free pool")
+    assert [c["id"] for c in by_message] == [chat["id"]]
+    assert "[free]" in by_message[0]["snippet"] and "[pool]" in by_message[0]["snippet"]
+    assert [c["id"] for c in store.search("ada", "swapping")] == [other["id"]]   # by title
+    assert [c["id"] for c in store.search("ada", "pressures")] == [other["id"]]  # stemmed
+    assert store.search("ada", "free swapping") == []                            # every word
+    assert store.search("ada", "   ") == []
+
+
+def test_search_follows_renames_edits_and_deletes(store, chat):
+    store.rename("ada", chat["id"], "Memory")
+    assert store.search("ada", "attention") == []
+    assert [c["title"] for c in store.search("ada", "memory")] == ["Memory"]
+    store.replace_last_assistant("ada", chat["id"], "Lazily.")
+    assert store.search("ada", "pool") == []
+    store.delete_conversation("ada", chat["id"])
+    assert store.search("ada", "allocated") == [] and store.search("ada", "memory") == []
+
+
+@pytest.mark.parametrize("query, finds", [
+    ('"free pool"', True), ('"unbalanced', False), ('""', False), ('" "', False), ("blocks*", True),
+    ("(blocks)", True), ("blocks OR nothing", False), ("NOT blocks", False), ("kv:blocks", True),
+    ("-x ^y", False), ("?", False),
+])
+def test_search_treats_any_text_as_plain_words(store, chat, query, finds):
+    assert [c["id"] for c in store.search("ada", query)] == ([chat["id"]] if finds else [])
+
+
+# --- integrity: cascades, foreign keys, transactions ---------------------------------------
+
+def test_deleting_a_user_deletes_everything_of_theirs(store, chat):
+    store.add_message("bob", store.conversations("bob")[0]["id"], "user", "Bob's blocks")
+    store.delete_user("ada")
+    assert store.db.execute("select count(*) from conversations where user_id = 'ada'").fetchone()[0] == 0
+    assert store.db.execute("select count(*) from messages join conversations c on c.id = conversation_id "
+                            "where c.user_id = 'ada'").fetchone()[0] == 0
+    assert (count(store, "users"), count(store, "conversations"), count(store, "messages")) == (1, 1, 1)
+    assert store.search("ada", "blocks") == [] and len(store.search("bob", "blocks")) == 1
+    with pytest.raises(NotFound, match="user 'ada'"):
+        store.user("ada")
+
+
+def test_foreign_keys_are_enforced_on_every_connection(store, chat):
+    def insert_orphan():
+        store.db.execute("insert into messages (conversation_id, role, content, created) "
+                         "values (999, 'user', 'orphan', 'now')")
+
+    for run in (insert_orphan, lambda: _in_thread(insert_orphan)):
+        with pytest.raises(sqlite3.IntegrityError, match="FOREIGN KEY"):
+            run()
+    assert count(store, "messages") == 2
+
+
+def _in_thread(fn):
+    errors = []
+
+    def target():
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - handed back to the caller
+            errors.append(e)
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+
+
+def test_a_transaction_that_fails_midway_leaves_nothing_written(store, chat):
+    with pytest.raises(RuntimeError):
+        with store.transaction():
+            store.add_message("ada", chat["id"], "user", "first half")
+            store.rename("ada", chat["id"], "half renamed")
+            raise RuntimeError("crash")
+    assert len(store.messages("ada", chat["id"])) == 2
+    assert store.conversation("ada", chat["id"]) == store.conversations("ada")[0]
+    assert store.conversation("ada", chat["id"])["title"] == "Paged attention"
+
+
+def test_adding_a_reply_and_bumping_updated_happen_together(store, chat, monkeypatch):
+    before = store.conversation("ada", chat["id"])
+
+    def crash(self, db, conversation_id):
+        raise RuntimeError("crash after the insert, before the bump")
+
+    monkeypatch.setattr(Store, "_touch", crash)
+    with pytest.raises(RuntimeError):
+        store.add_message("ada", chat["id"], "assistant", "half-written")
+    with pytest.raises(RuntimeError):
+        store.replace_last_assistant("ada", chat["id"], "half-written")
+    assert store.messages("ada", chat["id"])[-1]["content"] == "From a free pool, one block at a time."
+    assert store.conversation("ada", chat["id"]) == before
+    assert store.search("ada", "half") == []
+
+
+def test_concurrent_writers_all_land(store):
+    threads, per_thread = 8, 50
+    ids = [store.create_conversation(f"user{i % 3}", title=f"chat {i}")["id"] for i in range(threads)]
+    errors, start = [], threading.Barrier(threads)
+
+    def write(i):
+        try:
+            start.wait()
+            for n in range(per_thread):
+                store.add_message(f"user{i % 3}", ids[i], "user", f"message {n}")
+                store.conversations(f"user{i % 3}")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    workers = [threading.Thread(target=write, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert errors == []
+    assert count(store, "messages") == threads * per_thread
+    for i, cid in enumerate(ids):
+        contents = [m["content"] for m in store.messages(f"user{i % 3}", cid)]
+        assert contents == [f"message {n}" for n in range(per_thread)]
+
+
+# --- the database file: location, WAL, schema version ---------------------------------------
+
+def test_the_database_is_in_wal_mode(store):
+    with Database(store.path) as db:
+        assert db.journal_mode == "wal"
+
+
+def test_the_path_comes_from_the_environment_or_defaults_to_data(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDCHAT_DB", str(tmp_path / "elsewhere" / "chats.db"))
+    with Store() as s:
+        assert s.path == tmp_path / "elsewhere" / "chats.db" and s.path.exists()
+    monkeypatch.delenv("PAGEDCHAT_DB")
+    monkeypatch.chdir(tmp_path)
+    with Store() as s:
+        assert s.path.resolve() == (tmp_path / "data" / "pagedchat.db").resolve() and s.path.exists()
+
+
+def test_an_empty_database_is_upgraded_and_reopening_changes_nothing(tmp_path):
+    path = tmp_path / "old.db"
+    sqlite3.connect(path).close()  # an existing, empty database: schema version 0
+    with Database(path) as db:
+        assert storage.schema_version(db) == 0
+    with Store(path) as s:
+        assert s.schema_version == 1
+        c = s.create_conversation("ada", title="kept")
+        s.add_message("ada", c["id"], "user", "still here")
+    with Store(path) as s:
+        assert s.schema_version == 1
+        assert s.db.execute("select count(*) from _sqlite_migrations").fetchone()[0] == 1
+        assert [m["content"] for m in s.messages("ada", c["id"])] == ["still here"]
+        assert [x["title"] for x in s.search("ada", "still")] == ["kept"]
+
+
+def test_a_later_migration_upgrades_an_existing_database(tmp_path):
+    path = tmp_path / "chat.db"
+    with Store(path) as s:
+        c = s.create_conversation("ada", title="before v2")
+    later = Migrations(storage.migrations.name)
+    later()(storage.schema.create_tables)
+
+    @later()
+    def add_pinned(db):
+        db["conversations"].add_column("pinned", int, not_null_default=0)
+
+    db = storage.connect(path)
+    storage.migrate(db, later)
+    storage.migrate(db, later)  # idempotent
+    assert storage.schema_version(db, later) == 2
+    db.close()
+    with Store(path) as s:
+        assert s.conversation("ada", c["id"])["pinned"] == 0
+
+
+def test_a_closed_store_refuses_work(tmp_path):
+    s = Store(tmp_path / "chat.db")
+    s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        s.conversations("ada")
