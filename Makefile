@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench simulate clean
+.PHONY: run chat test bench simulate clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
+	$(BIN)/python app.py
+
+chat: $(STAMP)
 	$(BIN)/python -m engine
 
 simulate: $(STAMP)

@@ -1,0 +1,60 @@
+"""PagedChat: the engine, the store and the browser UI in one process.
+
+    python app.py                                  # SmolLM2-135M-Instruct, ./data/pagedchat.db
+    MODEL=path/to/llama python app.py --port 8080  # flags override environment variables
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import gradio as gr
+
+from engine.client import EngineClient
+from storage import Store
+from ui.chat import build_chat
+
+
+def build_app(client: EngineClient, store: Store) -> gr.Blocks:
+    """The whole app around an engine client and a store, queued but not launched."""
+    demo = build_chat(client, store)
+    # Streaming events set concurrency_limit=None themselves; the rest (storage calls) are quick.
+    demo.queue(default_concurrency_limit=64)
+    return demo
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+
+    def optional_int(name: str) -> int | None:
+        return int(env(name)) if env(name) else None
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=env("MODEL"), help="hub id or local Llama-family folder ($MODEL)")
+    parser.add_argument("--device", default=env("PAGEDCHAT_DEVICE"), help="cuda or cpu (default: cuda if present)")
+    parser.add_argument("--num-gpu-blocks", type=int, default=optional_int("PAGEDCHAT_GPU_BLOCKS"),
+                        help="device KV pool size in blocks (default: from the memory budget)")
+    parser.add_argument("--num-cpu-blocks", type=int, default=optional_int("PAGEDCHAT_CPU_BLOCKS"),
+                        help="host swap pool size in blocks (default: 1 GiB)")
+    parser.add_argument("--host", default=env("GRADIO_SERVER_NAME", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(env("GRADIO_SERVER_PORT", "7860")))
+    parser.add_argument("--db", default=env("PAGEDCHAT_DB"), help="SQLite file ($PAGEDCHAT_DB, else ./data/pagedchat.db)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from engine.llm_engine import LLMEngine
+
+    args = parse_args(argv)
+    engine = LLMEngine(args.model, args.device, num_gpu_blocks=args.num_gpu_blocks,
+                       num_cpu_blocks=args.num_cpu_blocks)
+    client = EngineClient(engine)
+    try:
+        # Each streaming reply holds a worker thread while it waits for its next token.
+        build_app(client, Store(args.db)).launch(server_name=args.host, server_port=args.port, max_threads=256)
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    main()

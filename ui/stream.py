@@ -1,0 +1,66 @@
+"""One reply streaming from the engine: the text so far, and its numbers once it ends."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from engine.client import EngineClient
+from engine.outputs import Delta, Usage
+from engine.sampling_params import SamplingParams
+
+
+class ReplyStream:
+    """Iterating yields this object again after each delta, its text grown. `close()` (also
+    when the consumer is closed mid-reply) aborts the engine request so its blocks free at once.
+
+    Created by `start_reply`, which submits at once: a prompt the engine refuses (too long for
+    the KV cache, empty) raises ValueError there, before anything is shown or stored."""
+
+    def __init__(self, deltas: Iterator[Delta]) -> None:
+        self._deltas = deltas
+        self.text = ""
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.usage: Usage | None = None
+        self._started = time.perf_counter()
+        self._first_token_at: float | None = None
+
+    def __iter__(self) -> Iterator[ReplyStream]:
+        for delta in self._deltas:
+            if delta.token_ids and self._first_token_at is None:
+                self._first_token_at = time.perf_counter()
+            self.text += delta.text
+            self.num_tokens += len(delta.token_ids)
+            if delta.finish_reason is not None:
+                self.finish_reason, self.usage, self.error = delta.finish_reason, delta.usage, delta.error
+            yield self
+
+    def close(self) -> None:
+        self._deltas.close()  # EngineClient aborts a request whose iterator closes early
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason in ("stop", "length")
+
+    def metrics(self) -> dict:
+        """The Store's message metrics: the engine's usage when it finished the reply, our own
+        clock when it was cut short (an aborted request carries no usage)."""
+        if self.usage is not None:
+            usage = self.usage
+            decode_s = usage.duration_s - usage.ttft_s
+            per_s = (usage.completion_tokens - 1) / decode_s if usage.completion_tokens > 1 and decode_s > 0 else None
+            return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
+                    "completion_tokens": usage.completion_tokens, "ttft_s": usage.ttft_s,
+                    "tokens_per_s": per_s, "finish_reason": self.finish_reason}
+        ttft = per_s = None
+        if self._first_token_at is not None:
+            ttft = self._first_token_at - self._started
+            decode_s = time.perf_counter() - self._first_token_at
+            per_s = (self.num_tokens - 1) / decode_s if self.num_tokens > 1 and decode_s > 0 else None
+        return {"completion_tokens": self.num_tokens, "ttft_s": ttft, "tokens_per_s": per_s,
+                "finish_reason": self.finish_reason}
+
+
+def start_reply(client: EngineClient, messages: list[dict], params: SamplingParams) -> ReplyStream:
+    return ReplyStream(client.submit(messages, params))
