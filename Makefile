@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run chat test bench simulate clean
+.PHONY: run chat test browser bench simulate clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,12 @@ chat: $(STAMP)
 simulate: $(STAMP)
 	$(BIN)/python -m engine.simulate
 
-test: $(STAMP)
+# The browser tests drive Debian's chromium through Playwright; install it once, as root.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

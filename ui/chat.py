@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from contextlib import closing
 from collections.abc import Callable, Iterator
 
@@ -46,12 +47,17 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
         head = [{"role": "system", "content": system}] if system.strip() else []
         return head + [{"role": m["role"], "content": m["content"]} for m in rows]
 
+    # Stop cancels the streaming event; its generator then stores the partial reply on its own
+    # thread. The view is redrawn from the store once that is done (see `on_stopped`).
+    streams_ending: dict[int, threading.Event] = {}
+
     def stream_reply(reply: ReplyStream, shown: list[dict], conversation_id: int,
                      save: Callable[[str, dict], dict | None]) -> Iterator[tuple]:
         """Show the reply as it grows, then store it with its numbers. Closing this generator
         (the Stop button cancels the event) aborts the engine request and stores the partial
         reply as stopped."""
         completed = False
+        ended = streams_ending[conversation_id] = threading.Event()
         try:
             for _ in reply:
                 live = {"role": "assistant", "content": reply.text or "…"}
@@ -65,6 +71,9 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
                         save(reply.text, {**reply.metrics(), "finish_reason": "abort", "stopped": True})
                 except Exception:  # never mask the close; the reply is lost, the app goes on
                     log.exception("could not store a stopped reply")
+            ended.set()
+            if completed and streams_ending.get(conversation_id) is ended:
+                del streams_ending[conversation_id]
         if reply.finish_reason == "error" or (reply.finish_reason == "abort" and not reply.text):
             problem = reply.error or "the engine ended this reply early"
             if reply.text.strip():
@@ -184,6 +193,15 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
         last_user = next((m["content"] for m in reversed(rows) if m["role"] == "user"), "")
         return conversation_list(user, conversation_id, query), last_user
 
+    def on_stopped(user_id: str, conversation_id: int | None, profile: gr.OAuthProfile | None = None):
+        """After Stop: wait (briefly) for the cancelled stream to store what was shown, then
+        redraw the chat from the store, so the reply carries its "stopped" mark."""
+        user = identity.resolve_user(user_id, profile)
+        ending = streams_ending.get(conversation_id) if conversation_id is not None else None
+        if ending is not None:
+            ending.wait(timeout=5.0)
+        return render.chat_messages(stored_messages(user, conversation_id))
+
     def on_new_chat():
         return [], None, "", "", gr.Radio(value=None)
 
@@ -293,7 +311,8 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
                               [chatbot, conversation_id], api_name="edit_last", **streaming)
         for event in (sent, submitted, regenerated, resent):
             event.then(**after_turn)
-        stop.click(None, None, None, cancels=[sent, submitted, regenerated, resent]).then(**after_turn)
+        stop.click(None, None, None, cancels=[sent, submitted, regenerated, resent]).then(
+            on_stopped, [user_id, conversation_id], [chatbot], api_visibility="private").then(**after_turn)
 
         new_chat.click(on_new_chat, None, [chatbot, conversation_id, title, edited, conversations],
                        api_visibility="private")

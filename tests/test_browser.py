@@ -1,0 +1,348 @@
+"""The chat app in a real browser: Debian's chromium, headless, driven by Playwright, against
+the app around a tiny random-weight engine. The replies are gibberish; the tests assert what
+the page does with them: streaming, Stop, the sidebar, reloads, and one browser per user.
+
+`make browser` installs chromium (never `playwright install`). With PAGEDCHAT_SCREENSHOT set
+(to a path, or 1 for docs/screenshot.png) one more test serves the real default model and
+saves a screenshot of a conversation."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("gradio")
+sync_api = pytest.importorskip("playwright.sync_api")
+expect = sync_api.expect
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+VIEWPORT = {"width": 1280, "height": 800}
+USER_KEY = "pagedchat-user"  # ui.chat.BROWSER_KEY: where the browser keeps its anonymous id
+DONE = "prompt tokens cached"  # the metrics line under a finished reply
+TIMEOUT_MS = 30_000
+
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"no {CHROMIUM}: run `make browser` (as root) to install Debian's chromium",
+                allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(client, store) -> tuple[object, str]:
+    from app import build_app
+
+    demo = build_app(client, store)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    return demo, f"http://127.0.0.1:{port}/"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory):
+    from engine.client import EngineClient
+    from engine.llm_engine import LLMEngine
+    from storage import Store
+
+    client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=128, num_cpu_blocks=64))
+    store = Store(tmp_path_factory.mktemp("browser") / "chat.db")
+    demo, url = serve(client, store)
+    try:
+        yield client, store, url
+    finally:
+        demo.close()
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+class Browser:
+    """One browser profile (its own local storage, so its own anonymous user). Every page error
+    and console error fails the test, except the console errors Gradio's client logs when a
+    reload cuts its open event stream ("Connection errored out")."""
+
+    def __init__(self, browser, url: str):
+        self.context = browser.new_context(viewport=VIEWPORT)
+        self.url = url
+        self.errors: list[str] = []
+        self.reloading = False
+
+    def open(self):
+        page = self.context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.on("pageerror", lambda error: self.errors.append(f"page error: {error}"))
+        page.on("console", self.on_console)
+        page.goto(self.url)
+        page.wait_for_function(f"() => !!localStorage.getItem('{USER_KEY}')")  # on_load has run
+        return page
+
+    def on_console(self, message) -> None:
+        if message.type == "error" and not self.reloading:
+            self.errors.append(f"console: {message.text}")
+
+    def reload(self, page) -> None:
+        self.reloading = True
+        try:
+            page.reload()
+        finally:
+            self.reloading = False
+
+
+@pytest.fixture
+def profiles(browser, served):
+    """A factory of fresh browser profiles, closed (and checked for errors) after the test."""
+    made: list[Browser] = []
+
+    def profile() -> Browser:
+        made.append(Browser(browser, served[2]))
+        return made[-1]
+
+    yield profile
+    for p in made:
+        p.context.close()
+    assert [e for p in made for e in p.errors] == []
+
+
+# ---- what a person does on the page -------------------------------------------------------------
+def set_params(page, max_tokens: int, temperature: float = 0.0) -> None:
+    """Type the values into the sliders' number boxes (in the parameters accordion)."""
+    max_box = page.get_by_role("spinbutton", name="number input for Max new tokens")
+    if not max_box.is_visible():
+        page.get_by_text("System prompt and parameters").click()
+    for label, value in (("Max new tokens", max_tokens), ("Temperature", temperature)):
+        box = page.get_by_role("spinbutton", name=f"number input for {label}")
+        slider = page.get_by_role("slider", name=f"range slider for {label}")
+        for _ in range(20):  # a slider that has just mounted may still take its initial value
+            box.fill(str(value))
+            box.press("Tab")
+            if float(slider.input_value()) == value:
+                break
+            time.sleep(0.1)
+        assert float(slider.input_value()) == value, f"{label} stayed at {slider.input_value()}"
+
+
+def send(page, text: str) -> None:
+    page.get_by_placeholder("Message PagedChat…").fill(text)
+    page.get_by_role("button", name="Send", exact=True).click()
+
+
+def bubbles(page, who: str):
+    return page.locator(f'[data-testid="{who}"]')  # Gradio's chatbot: "user" and "bot" messages
+
+
+def wait_for_reply(page, replies: int) -> None:
+    """Until the chat shows `replies` assistant messages, the last one finished."""
+    expect(bubbles(page, "bot")).to_have_count(replies)
+    expect(bubbles(page, "bot").last).to_contain_text(DONE)
+
+
+def chat_once(page, text: str, replies: int = 1) -> None:
+    send(page, text)
+    wait_for_reply(page, replies)
+
+
+def sidebar(page):
+    return page.get_by_role("radio")
+
+
+def owner_and_id(store, title: str) -> tuple[str, int]:
+    rows = list(store.db["conversations"].rows_where("title = ?", [title]))
+    assert len(rows) == 1, rows
+    return rows[0]["user_id"], rows[0]["id"]
+
+
+# ---- tests --------------------------------------------------------------------------------------
+def test_reply_streams_into_the_chat(served, profiles):
+    client, store, _ = served
+    page = profiles().open()
+    set_params(page, max_tokens=400)
+    send(page, "Stream me a long answer")
+
+    expect(bubbles(page, "user")).to_have_text(["Stream me a long answer"])
+    expect(page.get_by_placeholder("Message PagedChat…")).to_have_value("")
+    partials: list[str] = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        texts = page.evaluate("() => [...document.querySelectorAll('[data-testid=bot]')].map(e => e.innerText)")
+        if texts and (not partials or texts[-1] != partials[-1]):
+            partials.append(texts[-1])
+        if partials and DONE in partials[-1]:
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail(f"the reply never finished: {partials[-1:]!r}")
+
+    growing = partials[:-1]
+    assert len(growing) >= 3, f"the reply arrived in {len(growing)} steps, not streamed"
+    assert all(DONE not in text for text in growing)
+    assert len(growing[0]) < len(growing[len(growing) // 2]) < len(growing[-1])
+    expect(sidebar(page)).to_have_count(1)
+    expect(page.get_by_role("radio", name="Stream me a long answer")).to_be_checked()
+
+    user, conversation_id = owner_and_id(store, "Stream me a long answer")
+    messages = store.messages(user, conversation_id)
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[1]["finish_reason"] in ("stop", "length") and not messages[1]["stopped"]
+
+
+def test_stop_ends_the_reply_and_frees_its_blocks(served, profiles):
+    client, store, _ = served
+    profile = profiles()
+    page = profile.open()
+    set_params(page, max_tokens=1000)
+    send(page, "Stop me halfway please")
+
+    reply = bubbles(page, "bot").last
+    expect(reply).to_be_visible()
+    first = reply.inner_text()
+    expect(reply).not_to_have_text(first)  # it is streaming
+    page.get_by_role("button", name="Stop", exact=True).click()
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        owners = list(store.db["conversations"].rows_where("title = ?", ["Stop me halfway please"]))
+        messages = store.messages(owners[0]["user_id"], owners[0]["id"]) if owners else []
+        if messages and messages[-1]["role"] == "assistant" and client.stats().device_blocks_used == 0:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the stopped reply was not stored or its blocks not freed: {client.stats()}")
+    stored = messages[-1]
+    assert stored["stopped"] and stored["finish_reason"] == "abort"
+    assert 0 < stored["completion_tokens"] < 1000
+
+    # The live view is redrawn from the store: the reply says it was stopped, and nothing more arrives.
+    expect(bubbles(page, "bot").last).to_contain_text("stopped")
+    shown = bubbles(page, "bot").last.inner_text()
+    time.sleep(0.5)
+    assert bubbles(page, "bot").last.inner_text() == shown and DONE not in shown
+
+    # Reopened from the sidebar after a reload, it still says so; the page still chats.
+    profile.reload(page)
+    page.get_by_role("radio", name="Stop me halfway please").check()
+    expect(bubbles(page, "bot").last).to_contain_text("stopped")
+    set_params(page, max_tokens=8)
+    chat_once(page, "And a short one", replies=2)
+    assert client.stats().device_blocks_used == 0
+
+
+def test_new_chat_then_switch_back_from_the_sidebar(served, profiles):
+    page = profiles().open()
+    set_params(page, max_tokens=12)
+    chat_once(page, "First chat, about lighthouses")
+    chat_once(page, "A second question in the first chat", replies=2)
+
+    page.get_by_role("button", name="New chat").click()
+    expect(bubbles(page, "bot")).to_have_count(0)
+    expect(bubbles(page, "user")).to_have_count(0)
+    chat_once(page, "Second chat, about oceans")
+    expect(sidebar(page)).to_have_count(2)
+    expect(page.get_by_role("radio", name="Second chat, about oceans")).to_be_checked()
+
+    page.get_by_role("radio", name="First chat, about lighthouses").check()
+    expect(bubbles(page, "user")).to_have_text(["First chat, about lighthouses", "A second question in the first chat"])
+    expect(bubbles(page, "bot")).to_have_count(2)
+    page.get_by_role("radio", name="Second chat, about oceans").check()
+    expect(bubbles(page, "user")).to_have_text(["Second chat, about oceans"])
+
+    # Sending now continues the open chat rather than starting a third.
+    chat_once(page, "More about oceans", replies=2)
+    expect(sidebar(page)).to_have_count(2)
+
+
+def test_reload_finds_the_history(served, profiles):
+    _, store, _ = served
+    profile = profiles()
+    page = profile.open()
+    set_params(page, max_tokens=12)
+    chat_once(page, "Remember me after a reload")
+    user, _ = owner_and_id(store, "Remember me after a reload")
+
+    profile.reload(page)
+    expect(page.get_by_role("radio", name="Remember me after a reload")).to_be_visible()
+    expect(sidebar(page)).to_have_count(1)
+    expect(bubbles(page, "user")).to_have_count(0)  # a reload opens no chat by itself
+    page.get_by_role("radio", name="Remember me after a reload").check()
+    expect(bubbles(page, "user")).to_have_text(["Remember me after a reload"])
+    expect(bubbles(page, "bot")).to_contain_text([DONE])
+
+    # A second tab of the same profile is the same user, so it lists the same chat.
+    tab = profile.open()
+    expect(tab.get_by_role("radio", name="Remember me after a reload")).to_be_visible()
+    assert [c["title"] for c in store.conversations(user)] == ["Remember me after a reload"]
+
+
+def test_two_browsers_never_see_each_others_chats(served, profiles):
+    _, store, _ = served
+    profile_a, profile_b = profiles(), profiles()
+    alice, bob = profile_a.open(), profile_b.open()
+    for page in (alice, bob):
+        set_params(page, max_tokens=12)
+    send(alice, "Alice's private chat")
+    send(bob, "Bob's private chat")
+    wait_for_reply(alice, 1)
+    wait_for_reply(bob, 1)
+
+    for profile, page, mine, theirs in ((profile_a, alice, "Alice's private chat", "Bob's private chat"),
+                                        (profile_b, bob, "Bob's private chat", "Alice's private chat")):
+        profile.reload(page)
+        expect(page.get_by_role("radio", name=mine)).to_be_visible()
+        expect(sidebar(page)).to_have_count(1)
+        assert page.get_by_role("radio", name=theirs).count() == 0
+        page.get_by_placeholder("Search your chats…").fill("private")
+        page.get_by_placeholder("Search your chats…").press("Enter")
+        expect(sidebar(page)).to_have_count(1)
+        expect(page.get_by_role("radio", name=f"{mine} —")).to_have_count(1)  # a search hit's label
+
+    alice_user, _ = owner_and_id(store, "Alice's private chat")
+    bob_user, _ = owner_and_id(store, "Bob's private chat")
+    assert alice_user != bob_user
+    assert alice_user.startswith("anon:") and bob_user.startswith("anon:")
+
+
+def test_screenshot_of_the_real_model_mid_conversation(browser, tmp_path):
+    """The README's screenshot, 1280x800, with the real default model: written to a temporary
+    file on every run, and to docs/screenshot.png with PAGEDCHAT_SCREENSHOT=1 (or another path)."""
+    from engine.client import EngineClient
+    from engine.llm_engine import LLMEngine
+    from storage import Store
+
+    target = os.environ.get("PAGEDCHAT_SCREENSHOT") or str(tmp_path / "screenshot.png")
+    target = Path(__file__).parent.parent / "docs" / "screenshot.png" if target == "1" else Path(target)
+    client = EngineClient(LLMEngine(None, num_gpu_blocks=512, num_cpu_blocks=64))
+    demo, url = serve(client, Store(tmp_path / "chat.db"))
+    try:
+        profile = Browser(browser, url)
+        page = profile.open()
+        set_params(page, max_tokens=96)
+        chat_once(page, "What is a KV cache, in two sentences?")
+        page.get_by_role("button", name="New chat").click()
+        chat_once(page, "Give me a one-line tip for brewing green tea.")
+        chat_once(page, "Why does the water temperature matter?", replies=2)
+        page.get_by_text("System prompt and parameters").click()  # fold the parameters away
+        page.get_by_placeholder("Message PagedChat…").fill("And how long should it steep?")
+        page.evaluate("window.scrollTo(0, 0)")  # the chat at the top; it scrolls itself to the end
+        target.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(target))
+        profile.context.close()
+        assert profile.errors == []
+        header = target.read_bytes()[:24]
+        assert header[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")) == (1280, 800)
+    finally:
+        demo.close()
+        client.close()
