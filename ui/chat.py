@@ -90,6 +90,15 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
         row = save(reply.text, metrics)
         yield shown + [render.chat_message(row)], conversation_id
 
+    def begin_reply(system: str, rows: list[dict], sampling) -> tuple[ReplyStream | None, list[dict]]:
+        """Submit the conversation so far: (the reply, the view), or (None, the view ending in
+        the refusal) when the engine will not take it."""
+        shown = render.chat_messages(rows)
+        try:
+            return start_reply(client, prompt_of(system, rows), sampling), shown
+        except ValueError as error:
+            return None, shown + [render.error_message(refused(error))]
+
     def checked_params(temperature: float, top_p: float, max_tokens: float):
         try:
             return params.sampling_params(temperature, top_p, max_tokens)
@@ -115,12 +124,10 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
             raise gr.Error("Type a message first.")
         sampling = checked_params(temperature, top_p, max_tokens)
         system = presets.system_prompt(preset, custom)
-        rows = stored_messages(user, conversation_id)
-        shown = render.chat_messages(rows) + [render.chat_message({"role": "user", "content": text})]
-        try:
-            reply = start_reply(client, prompt_of(system, rows + [{"role": "user", "content": text}]), sampling)
-        except ValueError as error:
-            yield shown + [render.error_message(refused(error))], conversation_id, message
+        reply, shown = begin_reply(system, stored_messages(user, conversation_id) + [{"role": "user", "content": text}],
+                                   sampling)
+        if reply is None:
+            yield shown, conversation_id, message
             return
         if conversation_id is None:
             conversation_id = store.create_conversation(user, title=text[:TITLE_CHARS], system_prompt=system)["id"]
@@ -146,12 +153,9 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
         replacing = rows[-1]["role"] == "assistant"
         rows = rows[:-1] if replacing else rows
         sampling = checked_params(temperature, top_p, max_tokens)
-        system = store.conversation(user, conversation_id)["system_prompt"]
-        shown = render.chat_messages(rows)
-        try:
-            reply = start_reply(client, prompt_of(system, rows), sampling)
-        except ValueError as error:
-            yield shown + [render.error_message(refused(error))], conversation_id
+        reply, shown = begin_reply(store.conversation(user, conversation_id)["system_prompt"], rows, sampling)
+        if reply is None:
+            yield shown, conversation_id
             return
 
         def save(content: str, metrics: dict) -> dict:
@@ -170,13 +174,10 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
         if not text or last_user is None:
             raise gr.Error("There is no sent message to edit, or the edit is empty.")
         sampling = checked_params(temperature, top_p, max_tokens)
-        system = store.conversation(user, conversation_id)["system_prompt"]
         rows = rows[:last_user] + [{"role": "user", "content": text}]
-        shown = render.chat_messages(rows)
-        try:
-            reply = start_reply(client, prompt_of(system, rows), sampling)
-        except ValueError as error:
-            yield shown + [render.error_message(refused(error))], conversation_id
+        reply, shown = begin_reply(store.conversation(user, conversation_id)["system_prompt"], rows, sampling)
+        if reply is None:
+            yield shown, conversation_id
             return
         store.edit_last_user_message(user, conversation_id, text)
         yield shown, conversation_id
