@@ -63,6 +63,10 @@ class Scheduler:
         self.num_preemptions_swap = 0
         self.num_preemptions_recompute = 0
         self.num_steps = 0
+        self.total_prompt_tokens = 0
+        self.total_generated_tokens = 0
+        self.total_blocks_swapped_out = 0
+        self.total_blocks_swapped_in = 0
         self.last_stats: SchedulerStats = self._stats(SchedulerOutput())
         self._finished_ids: list[str] = []
 
@@ -197,6 +201,10 @@ class Scheduler:
                 finished.append(request)
         if finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        self.total_prompt_tokens += out.num_prefill_tokens
+        self.total_generated_tokens += out.num_decode_tokens
+        self.total_blocks_swapped_out += len(out.blocks_to_swap_out)
+        self.total_blocks_swapped_in += len(out.blocks_to_swap_in)
         self.last_stats = self._stats(out)  # the state after the step
         return finished
 
@@ -321,7 +329,10 @@ class Scheduler:
             blocks_swapped_out=len(out.blocks_to_swap_out), blocks_swapped_in=len(out.blocks_to_swap_in),
             blocks_copied=len(out.blocks_to_copy),
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
-            num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens)
+            num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
+            total_prompt_tokens=self.total_prompt_tokens, total_generated_tokens=self.total_generated_tokens,
+            total_blocks_swapped_out=self.total_blocks_swapped_out,
+            total_blocks_swapped_in=self.total_blocks_swapped_in)
 
     def block_map(self) -> BlockMap:
         """Every device and host block with its state, ref count and owning request ids."""

@@ -29,6 +29,11 @@ class SchedulerStats:
     prefix_cache_hits: int          # cumulative, tokens
     num_prefill_tokens: int         # this step
     num_decode_tokens: int          # this step
+    # Cumulative over the scheduler's life (a sampler between steps sees what it missed).
+    total_prompt_tokens: int = 0          # prefill tokens computed
+    total_generated_tokens: int = 0       # decode tokens computed
+    total_blocks_swapped_out: int = 0
+    total_blocks_swapped_in: int = 0
 
     @property
     def device_usage(self) -> float:

@@ -313,3 +313,20 @@ def test_stats_and_block_map_add_up():
             assert len(info.owners) == info.ref_count
         saw_swap |= st.blocks_swapped_out > 0
     assert saw_swap and sched.last_stats.num_preemptions_swap > 0
+
+
+def test_cumulative_counters_are_the_sums_of_the_per_step_values():
+    sched, runner = make(num_gpu_blocks=12, num_cpu_blocks=32, preemption_mode="swap")
+    growing(sched, runner, 3)
+    steps = []
+    run(sched, runner, on_step=lambda out: steps.append(sched.last_stats))
+    last = sched.last_stats
+    assert last.total_prompt_tokens == sum(s.num_prefill_tokens for s in steps) > 0
+    assert last.total_generated_tokens == sum(s.num_decode_tokens for s in steps) > 0
+    assert last.total_blocks_swapped_out == sum(s.blocks_swapped_out for s in steps) > 0
+    assert last.total_blocks_swapped_in == sum(s.blocks_swapped_in for s in steps) > 0
+    for before, after in zip(steps, steps[1:]):  # never decrease
+        assert after.total_prompt_tokens >= before.total_prompt_tokens
+        assert after.total_blocks_swapped_in >= before.total_blocks_swapped_in
+    idle = sched.current_stats()  # a snapshot between steps counts nothing twice
+    assert idle.total_prompt_tokens == last.total_prompt_tokens and idle.num_prefill_tokens == 0
