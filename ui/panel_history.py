@@ -134,31 +134,20 @@ class StatsHistory:
 
     def swap_rows(self) -> list[Row]:
         """Blocks swapped out to and in from the host, per second."""
-        rows: list[Row] = []
-        for prev, s, dt in self._intervals():
-            t = self._t(s)
-            rows.append({"t": t, "series": "out", "blocks_per_s":
-                         _delta(prev.total_blocks_swapped_out, s.total_blocks_swapped_out) / dt})
-            rows.append({"t": t, "series": "in", "blocks_per_s":
-                         _delta(prev.total_blocks_swapped_in, s.total_blocks_swapped_in) / dt})
-        return rows
+        return self._rates("blocks_per_s", {"out": "total_blocks_swapped_out", "in": "total_blocks_swapped_in"})
 
     def throughput_rows(self) -> list[Row]:
         """Tokens computed per second: 'generation' (decode) and 'prompt' (prefill)."""
-        rows: list[Row] = []
-        for prev, s, dt in self._intervals():
-            t = self._t(s)
-            rows.append({"t": t, "series": "generation", "tokens_per_s":
-                         _delta(prev.total_generated_tokens, s.total_generated_tokens) / dt})
-            rows.append({"t": t, "series": "prompt", "tokens_per_s":
-                         _delta(prev.total_prompt_tokens, s.total_prompt_tokens) / dt})
-        return rows
+        return self._rates("tokens_per_s", {"generation": "total_generated_tokens", "prompt": "total_prompt_tokens"})
 
     def cache_token_rows(self) -> list[Row]:
         """Prompt tokens served from the prefix cache per second."""
-        return [{"t": self._t(s), "series": "from cache",
-                 "tokens_per_s": _delta(prev.prefix_cache_hits, s.prefix_cache_hits) / dt}
-                for prev, s, dt in self._intervals()]
+        return self._rates("tokens_per_s", {"from cache": "prefix_cache_hits"})
+
+    def _rates(self, column: str, counters: dict[str, str]) -> list[Row]:
+        """Per-second rates of cumulative counters: a row per series (name: stats field) per interval."""
+        return [{"t": self._t(s), "series": series, column: _delta(getattr(prev, field), getattr(s, field)) / dt}
+                for prev, s, dt in self._intervals() for series, field in counters.items()]
 
     # ---- windows ------------------------------------------------------------------------
     def windowed_hit_rate(self, index: int = -1, window_s: float | None = None) -> float | None:
