@@ -12,16 +12,20 @@ import itertools
 import logging
 import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import Delta
 from engine.sampling_params import SamplingParams
-from engine.stats import BlockMap, SchedulerStats
+from engine.stats import BlockMap, EngineInfo, FirstToken, SchedulerStats
 
 log = logging.getLogger(__name__)
 _DONE = object()
+RECENT_FIRST_TOKENS = 256
 
 
 class EngineClient:
@@ -32,6 +36,10 @@ class EngineClient:
         self._open: dict[str, int] = {}  # request id -> samples not yet finished
         self._ids = itertools.count()
         self._stats = engine.stats()
+        self._info = engine.info()
+        self._submitted: dict[str, float] = {}  # request id -> when the loop took it (no token yet)
+        self._first_tokens: deque[FirstToken] = deque(maxlen=RECENT_FIRST_TOKENS)
+        self._recent: tuple[FirstToken, ...] = ()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
@@ -45,8 +53,16 @@ class EngineClient:
         request_id = request_id or f"req-{next(self._ids)}"
         stream: queue.SimpleQueue = queue.SimpleQueue()
         future: Future = Future()
+        if self.closed:
+            raise RuntimeError("the engine client is closed")
         self._inbox.put(("add", request_id, prompt, params, stream, future))
-        future.result()  # an empty or too long prompt, or a duplicate id, raises here
+        while True:  # an empty or too long prompt, or a duplicate id, raises here
+            try:
+                future.result(timeout=1.0)
+                break
+            except FutureTimeout:
+                if not self._thread.is_alive():  # closed after our check: nobody will answer
+                    raise RuntimeError("the engine client is closed") from None
         return self._iterate(request_id, stream)
 
     def _iterate(self, request_id: str, stream: queue.SimpleQueue) -> Iterator[Delta]:
@@ -66,11 +82,22 @@ class EngineClient:
         """The latest step's stats (an immutable snapshot; never blocks)."""
         return self._stats
 
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def recent_first_tokens(self) -> tuple[FirstToken, ...]:
+        """Time to first token of the latest requests, oldest first (a snapshot; never blocks)."""
+        return self._recent
+
     def block_map(self, timeout: float = 10.0) -> BlockMap:
         """Every block's state, taken by the loop thread between two steps."""
         future: Future = Future()
         self._inbox.put(("block_map", future))
         return future.result(timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._stopping.is_set()
 
     def close(self) -> None:
         self._stopping.set()
@@ -119,6 +146,7 @@ class EngineClient:
                 return
             self._streams[request_id] = stream
             self._open[request_id] = params.n
+            self._submitted[request_id] = time.monotonic()
             future.set_result(None)
         elif kind == "abort":
             request_id = message[1]
@@ -129,19 +157,28 @@ class EngineClient:
             message[1].set_result(self.engine.block_map())
 
     def _route(self, deltas: list[Delta]) -> None:
+        first_token = False
         for delta in deltas:
             stream = self._streams.get(delta.request_id)
             if stream is None:
                 continue
+            if delta.token_ids and delta.request_id in self._submitted:
+                ttft = time.monotonic() - self._submitted.pop(delta.request_id)
+                self._first_tokens.append(FirstToken(delta.request_id, time.time(), ttft))
+                first_token = True
             stream.put(delta)
             if delta.finish_reason is not None:
                 self._open[delta.request_id] -= 1
                 if self._open[delta.request_id] == 0:
                     del self._streams[delta.request_id], self._open[delta.request_id]
+                    self._submitted.pop(delta.request_id, None)
                     stream.put(_DONE)
+        if first_token:  # readers get an immutable copy; the deque itself stays on this thread
+            self._recent = tuple(self._first_tokens)
 
     def _finish_stream(self, request_id: str, reason: str) -> None:
         stream = self._streams.pop(request_id)
         self._open.pop(request_id, None)
+        self._submitted.pop(request_id, None)
         stream.put(Delta(request_id, 0, "", (), finish_reason=reason))
         stream.put(_DONE)

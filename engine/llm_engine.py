@@ -18,7 +18,8 @@ from engine.outputs import Delta, Usage
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.stats import BlockMap, SchedulerStats
+import kernels
+from engine.stats import BlockMap, EngineInfo, SchedulerStats
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -196,3 +197,9 @@ class LLMEngine:
 
     def block_map(self) -> BlockMap:
         return self.scheduler.block_map()
+
+    def info(self) -> EngineInfo:
+        cache = self.runner.kv_cache
+        return EngineInfo(model=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+                          block_size=self.config.block_size, num_gpu_blocks=self.config.num_gpu_blocks,
+                          num_cpu_blocks=self.config.num_cpu_blocks, kernels=kernels.backend(cache))

@@ -65,3 +65,27 @@ class BlockMap:
     block_size: int
     device: tuple[BlockInfo, ...]
     host: tuple[BlockInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """When a request's first token arrived and how long it took from submission."""
+    request_id: str
+    timestamp: float  # time.time(), the clock of SchedulerStats.timestamp
+    ttft_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the engine runs on; fixed for its life."""
+    model: str
+    device: str      # "cuda:0", "cpu"
+    dtype: str       # "bfloat16", "float32"
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    kernels: str     # "triton" or "torch"
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.startswith("cpu")

@@ -101,3 +101,30 @@ def test_chat_messages_and_n_samples_through_the_client(client):
     finals = [d for d in deltas if d.finish_reason]
     assert sorted(d.index for d in finals) == [0, 1]
     wait_until_idle(client)
+
+
+def test_info_describes_the_engine(client):
+    info = client.info()
+    assert (info.device, info.dtype, info.kernels, info.on_cpu) == ("cpu", "float32", "torch", True)
+    assert (info.block_size, info.num_gpu_blocks, info.num_cpu_blocks) == (16, 96, 64)
+
+
+def test_first_tokens_are_recorded_once_per_request_with_their_wait(client):
+    before = {f.request_id for f in client.recent_first_tokens()}
+    started = time.time()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i in range(3):
+        deltas = list(client.submit(QUESTIONS[i], params, request_id=f"ttft-{i}"))
+        assert deltas[-1].usage is not None
+    recent = [f for f in client.recent_first_tokens() if f.request_id not in before]
+    assert [f.request_id for f in recent] == ["ttft-0", "ttft-1", "ttft-2"]
+    for f in recent:
+        assert started <= f.timestamp <= time.time()
+        assert 0 < f.ttft_s < 10
+    # An aborted request (with or without a token by then) leaves nothing waiting for one.
+    stream = client.submit(QUESTIONS[3], SamplingParams(max_tokens=500), request_id="aborted")
+    client.abort("aborted")
+    assert [d.finish_reason for d in stream][-1] == "abort"
+    wait_until_idle(client)
+    assert [f.request_id for f in client.recent_first_tokens()].count("aborted") <= 1
+    assert client._submitted == {}
