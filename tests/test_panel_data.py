@@ -166,6 +166,8 @@ def test_cell_states_colours_and_titles():
     assert device[4].color == owner_color("b")
     assert len({FREE_COLOR, CACHED_COLOR, SHARED_COLOR, owner_color("a"), owner_color("b")}) == 5
     assert owner_color("a#1") == owner_color("a")  # forked samples share the parent's colour
+    assert owner_color("chat-7/t2") == owner_color("chat-7/t1#3") == owner_color("chat-7")  # one conversation
+    assert owner_color("chat-7/t1") != owner_color("chat-8/t1")
     t = device[3].title
     assert "block 3" in t and "refs 2" in t and "owners a, b" in t and "tokens 4" in t and "hash 00000000" in t
     assert "hash abcdef01" in device[1].title and "hash ffffffff" in device[2].title

@@ -41,8 +41,10 @@ def state_of(info: BlockInfo) -> str:
 
 
 def owner_key(request_id: str) -> str:
-    """Forked samples ('req-3#1') share their parent's colour."""
-    return request_id.split("#", 1)[0]
+    """The conversation a request belongs to, which sets its colour: request ids are
+    '<conversation>/<turn>' (the chat and the load generator name them so), and forked
+    samples ('<id>#1') belong to their parent's conversation."""
+    return request_id.split("#", 1)[0].split("/", 1)[0]
 
 
 def owner_color(request_id: str) -> str:
@@ -104,13 +106,15 @@ def grid(block_map: BlockMap, max_cells: int = 2048) -> dict[str, list[Cell]]:
     return {"device": block_cells(block_map.device, max_cells), "host": block_cells(block_map.host, max_cells)}
 
 
+def summary_of(blocks: tuple[BlockInfo, ...] | list[BlockInfo]) -> dict[str, int]:
+    """Blocks per state, plus 'total'; the states add up to the total."""
+    tally = Counter(state_of(b) for b in blocks)
+    return {s: tally.get(s, 0) for s in STATES} | {"total": len(blocks)}
+
+
 def summary(block_map: BlockMap) -> dict[str, dict[str, int]]:
-    """Blocks per state per pool, plus 'total'; the states add up to the pool size."""
-    result = {}
-    for pool, blocks in (("device", block_map.device), ("host", block_map.host)):
-        tally = Counter(state_of(b) for b in blocks)
-        result[pool] = {s: tally.get(s, 0) for s in STATES} | {"total": len(blocks)}
-    return result
+    """summary_of for each pool: {'device': {...}, 'host': {...}}."""
+    return {"device": summary_of(block_map.device), "host": summary_of(block_map.host)}
 
 
 def render_html(cells: list[Cell], columns: int = 64, size_px: int = 8) -> str:

@@ -90,12 +90,13 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
         row = save(reply.text, metrics)
         yield shown + [render.chat_message(row)], conversation_id
 
-    def begin_reply(system: str, rows: list[dict], sampling) -> tuple[ReplyStream | None, list[dict]]:
+    def begin_reply(system: str, rows: list[dict], sampling,
+                    conversation_id: int | None) -> tuple[ReplyStream | None, list[dict]]:
         """Submit the conversation so far: (the reply, the view), or (None, the view ending in
         the refusal) when the engine will not take it."""
         shown = render.chat_messages(rows)
         try:
-            return start_reply(client, prompt_of(system, rows), sampling), shown
+            return start_reply(client, prompt_of(system, rows), sampling, conversation_id), shown
         except ValueError as error:
             return None, shown + [render.error_message(refused(error))]
 
@@ -125,7 +126,7 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
         sampling = checked_params(temperature, top_p, max_tokens)
         system = presets.system_prompt(preset, custom)
         reply, shown = begin_reply(system, stored_messages(user, conversation_id) + [{"role": "user", "content": text}],
-                                   sampling)
+                                   sampling, conversation_id)
         if reply is None:
             yield shown, conversation_id, message
             return
@@ -153,7 +154,8 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
         replacing = rows[-1]["role"] == "assistant"
         rows = rows[:-1] if replacing else rows
         sampling = checked_params(temperature, top_p, max_tokens)
-        reply, shown = begin_reply(store.conversation(user, conversation_id)["system_prompt"], rows, sampling)
+        reply, shown = begin_reply(store.conversation(user, conversation_id)["system_prompt"], rows, sampling,
+                                   conversation_id)
         if reply is None:
             yield shown, conversation_id
             return
@@ -175,7 +177,8 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
             raise gr.Error("There is no sent message to edit, or the edit is empty.")
         sampling = checked_params(temperature, top_p, max_tokens)
         rows = rows[:last_user] + [{"role": "user", "content": text}]
-        reply, shown = begin_reply(store.conversation(user, conversation_id)["system_prompt"], rows, sampling)
+        reply, shown = begin_reply(store.conversation(user, conversation_id)["system_prompt"], rows, sampling,
+                                   conversation_id)
         if reply is None:
             yield shown, conversation_id
             return

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 
 from engine.client import EngineClient
@@ -62,5 +63,9 @@ class ReplyStream:
                 "finish_reason": self.finish_reason}
 
 
-def start_reply(client: EngineClient, messages: list[dict], params: SamplingParams) -> ReplyStream:
-    return ReplyStream(client.submit(messages, params))
+def start_reply(client: EngineClient, messages: list[dict], params: SamplingParams,
+                conversation_id: int | None = None) -> ReplyStream:
+    """Submit a conversation. The request id starts with the conversation (`chat12/…`, or
+    `chat-new-…` before the first reply creates it): the live panel tints blocks by it."""
+    conversation = f"chat{int(conversation_id)}" if conversation_id is not None else f"chat-new-{uuid.uuid4().hex[:6]}"
+    return ReplyStream(client.submit(messages, params, request_id=f"{conversation}/{uuid.uuid4().hex[:8]}"))
