@@ -18,11 +18,21 @@ HUB_DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 from engine.client import EngineClient
 from storage import Store
 from ui.chat import build_chat
+from ui.load_generator import LoadGenerator
+from ui.panel import build_panel
+from ui.panel_feed import PanelFeed
 
 
-def build_app(client: EngineClient, store: Store) -> gr.Blocks:
-    """The whole app around an engine client and a store, queued but not launched."""
+def build_app(client: EngineClient, store: Store, feed: PanelFeed | None = None,
+              load: LoadGenerator | None = None) -> gr.Blocks:
+    """The whole app around an engine client and a store, queued but not launched: the chat at
+    / and the engine panel at /panel. Pass `feed` and `load` to stop them yourself; otherwise
+    they end with the client (the feed's sampler stops, the synthetic users' submits fail)."""
+    feed = (feed or PanelFeed(client)).start()
+    load = load or LoadGenerator(client)
     demo = build_chat(client, store)
+    with demo.route("Engine panel", "panel"):
+        build_panel(feed, load)
     # Streaming events set concurrency_limit=None themselves; the rest (storage calls) are quick.
     demo.queue(default_concurrency_limit=64)
     return demo
@@ -56,10 +66,14 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(args.model, args.device, num_gpu_blocks=args.num_gpu_blocks,
                        num_cpu_blocks=args.num_cpu_blocks)
     client = EngineClient(engine)
+    feed, load = PanelFeed(client), LoadGenerator(client)
     try:
         # Each streaming reply holds a worker thread while it waits for its next token.
-        build_app(client, Store(args.db)).launch(server_name=args.host, server_port=args.port, max_threads=256)
+        build_app(client, Store(args.db), feed, load).launch(server_name=args.host, server_port=args.port,
+                                                             max_threads=256)
     finally:
+        load.stop()
+        feed.close()
         client.close()
 
 

@@ -7,43 +7,16 @@ the page does with them: streaming, Stop, the sidebar, reloads, and one browser 
 saves a screenshot of a conversation."""
 from __future__ import annotations
 
-import os
-import socket
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("gradio")
-sync_api = pytest.importorskip("playwright.sync_api")
+from web_browser import Browser, browser, png_size, screenshot_target, serve, sync_api  # noqa: E402,F401  (browser: a fixture)
+
 expect = sync_api.expect
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
-VIEWPORT = {"width": 1280, "height": 800}
-USER_KEY = "pagedchat-user"  # ui.chat.BROWSER_KEY: where the browser keeps its anonymous id
 DONE = "prompt tokens cached"  # the metrics line under a finished reply
-TIMEOUT_MS = 30_000
-
-if not os.path.exists(CHROMIUM):
-    pytest.skip(f"no {CHROMIUM}: run `make browser` (as root) to install Debian's chromium",
-                allow_module_level=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(client, store) -> tuple[object, str]:
-    from app import build_app
-
-    demo = build_app(client, store)
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    return demo, f"http://127.0.0.1:{port}/"
 
 
 @pytest.fixture(scope="module")
@@ -60,46 +33,6 @@ def served(tiny_model_dir, tmp_path_factory):
     finally:
         demo.close()
         client.close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
-
-
-class Browser:
-    """One browser profile (its own local storage, so its own anonymous user). Every page error
-    and console error fails the test, except the console errors Gradio's client logs when a
-    reload cuts its open event stream ("Connection errored out")."""
-
-    def __init__(self, browser, url: str):
-        self.context = browser.new_context(viewport=VIEWPORT)
-        self.url = url
-        self.errors: list[str] = []
-        self.reloading = False
-
-    def open(self):
-        page = self.context.new_page()
-        page.set_default_timeout(TIMEOUT_MS)
-        page.on("pageerror", lambda error: self.errors.append(f"page error: {error}"))
-        page.on("console", self.on_console)
-        page.goto(self.url)
-        page.wait_for_function(f"() => !!localStorage.getItem('{USER_KEY}')")  # on_load has run
-        return page
-
-    def on_console(self, message) -> None:
-        if message.type == "error" and not self.reloading:
-            self.errors.append(f"console: {message.text}")
-
-    def reload(self, page) -> None:
-        self.reloading = True
-        try:
-            page.reload()
-        finally:
-            self.reloading = False
 
 
 @pytest.fixture
@@ -321,8 +254,7 @@ def test_screenshot_of_the_real_model_mid_conversation(browser, tmp_path):
     from engine.llm_engine import LLMEngine
     from storage import Store
 
-    target = os.environ.get("PAGEDCHAT_SCREENSHOT") or str(tmp_path / "screenshot.png")
-    target = Path(__file__).parent.parent / "docs" / "screenshot.png" if target == "1" else Path(target)
+    target = screenshot_target("screenshot.png", tmp_path)
     client = EngineClient(LLMEngine(None, num_gpu_blocks=512, num_cpu_blocks=64))
     demo, url = serve(client, Store(tmp_path / "chat.db"))
     try:
@@ -340,9 +272,7 @@ def test_screenshot_of_the_real_model_mid_conversation(browser, tmp_path):
         page.screenshot(path=str(target))
         profile.context.close()
         assert profile.errors == []
-        header = target.read_bytes()[:24]
-        assert header[:8] == b"\x89PNG\r\n\x1a\n"
-        assert (int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")) == (1280, 800)
+        assert png_size(target) == (1280, 800)
     finally:
         demo.close()
         client.close()

@@ -37,7 +37,8 @@ def to_frame(rows: list[Row], columns: list[str] | None = None):
     import pandas as pd
 
     if not rows and columns:
-        return pd.DataFrame({c: [] for c in columns})
+        # Typed, so a plot first drawn empty still treats 'series' as categories and t as numbers.
+        return pd.DataFrame({c: pd.Series(dtype=str if c == "series" else float) for c in columns})
     return pd.DataFrame(rows, columns=columns)
 
 

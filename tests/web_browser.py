@@ -1,0 +1,97 @@
+"""What the browser tests share: Debian's chromium driven by Playwright (headless), the app
+served on a free port, and a browser profile that fails the test on any page error.
+
+`make browser` installs chromium (never `playwright install`); without it every browser test
+module is skipped with the reason."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+sync_api = pytest.importorskip("playwright.sync_api")
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+VIEWPORT = {"width": 1280, "height": 800}
+USER_KEY = "pagedchat-user"  # ui.chat.BROWSER_KEY: where the browser keeps its anonymous id
+TIMEOUT_MS = 30_000
+
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"no {CHROMIUM}: run `make browser` (as root) to install Debian's chromium",
+                allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(client, store, feed=None, load=None) -> tuple[object, str]:
+    from app import build_app
+
+    demo = build_app(client, store, feed, load)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    return demo, f"http://127.0.0.1:{port}/"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+class Browser:
+    """One browser profile (its own local storage, so its own anonymous user). Every page error
+    and console error fails the test, except the console errors Gradio's client logs when a
+    reload cuts its open event stream ("Connection errored out")."""
+
+    def __init__(self, browser, url: str):
+        self.context = browser.new_context(viewport=VIEWPORT)
+        self.url = url
+        self.errors: list[str] = []
+        self.reloading = False
+
+    def open(self, path: str = "", viewport: dict | None = None):
+        """A new page at the app's `path`: "" is the chat (ready once it has its user id)."""
+        page = self.context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        if viewport:
+            page.set_viewport_size(viewport)
+        page.on("pageerror", lambda error: self.errors.append(f"page error: {error}"))
+        page.on("console", self.on_console)
+        page.goto(self.url + path)
+        if not path:
+            page.wait_for_function(f"() => !!localStorage.getItem('{USER_KEY}')")  # on_load has run
+        return page
+
+    def on_console(self, message) -> None:
+        if message.type == "error" and not self.reloading:
+            self.errors.append(f"console: {message.text}")
+
+    def reload(self, page) -> None:
+        self.reloading = True
+        try:
+            page.reload()
+        finally:
+            self.reloading = False
+
+
+def screenshot_target(default_name: str, tmp_path: Path) -> Path:
+    """Where a README screenshot goes: a temporary file, or docs/<default_name> when
+    PAGEDCHAT_SCREENSHOT=1 (another value is taken as the path)."""
+    target = os.environ.get("PAGEDCHAT_SCREENSHOT") or str(tmp_path / default_name)
+    return Path(__file__).parent.parent / "docs" / default_name if target == "1" else Path(target)
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")

@@ -1,0 +1,82 @@
+"""The live engine panel page: figures, plots and the block map refreshed about once a second,
+and the load generator's controls. Everything it shows comes through the engine client's
+snapshots (via the shared PanelFeed); ui/panel_view.py turns them into what is drawn.
+"""
+from __future__ import annotations
+
+import gradio as gr
+
+from ui import panel_view, presets
+from ui.load_generator import LOAD_SYSTEM_PROMPT, MAX_USERS, LoadGenerator
+from ui.panel_feed import PanelFeed
+
+LOAD_PROMPTS = {"Long shared prompt (~300 tokens)": LOAD_SYSTEM_PROMPT,
+                **{name: text for name, text in presets.PRESETS.items() if text}}
+DEFAULT_USERS = 16
+DEFAULT_LOAD_TOKENS = 48
+# One colour per series across redraws, so a line never changes colour when another appears.
+COLORS = {"device used": "#2563eb", "device cached": "#7dd3fc", "host used": "#f97316",
+          "running": "#16a34a", "waiting": "#eab308", "swapped": "#dc2626",
+          "generation": "#2563eb", "computed": "#9333ea", "from cache": "#0ea5e9",
+          "hit rate": "#0d9488", "swap": "#f97316", "recompute": "#dc2626",
+          "out to host": "#f97316", "in from host": "#16a34a", "first token": "#64748b"}
+
+
+def build_panel(feed: PanelFeed, load: LoadGenerator) -> None:
+    """Declare the panel in the current Blocks (or page) context."""
+    client = feed.client
+    info = client.info()
+
+    def on_tick(freeze: bool):
+        history = feed.history()
+        first_tokens = client.recent_first_tokens()
+        frames = panel_view.plot_frames(history, first_tokens)
+        grid = gr.skip() if freeze else panel_view.block_map_html(feed.block_map(), info)
+        return (panel_view.header_html(history, info, first_tokens), *frames.values(), grid,
+                panel_view.load_status_html(load.status()))
+
+    def on_start(users: float, prompt: str, max_tokens: float):
+        try:
+            load.start(int(users), LOAD_PROMPTS.get(prompt, LOAD_SYSTEM_PROMPT), int(max_tokens))
+        except ValueError as error:
+            raise gr.Error(str(error)) from None
+        return panel_view.load_status_html(load.status())
+
+    def on_stop():
+        load.stop()
+        return panel_view.load_status_html(load.status())
+
+    gr.HTML(f"<style>{panel_view.PANEL_CSS}</style>", padding=False)  # the styles of the HTML below
+    gr.Markdown("## Engine panel\nThe KV cache as the scheduler moves it, refreshed every second. "
+                "Start the load generator to watch batching, prefix hits, preemption and swapping.")
+    header = gr.HTML(panel_view.header_html(feed.history(), info, client.recent_first_tokens()),
+                     elem_id="panel-header")
+    with gr.Row():
+        users = gr.Slider(1, MAX_USERS, value=DEFAULT_USERS, step=1, label="Synthetic users", scale=2)
+        prompt = gr.Dropdown(list(LOAD_PROMPTS), value=next(iter(LOAD_PROMPTS)), label="Their shared system prompt",
+                             scale=2)
+        max_tokens = gr.Slider(8, 256, value=DEFAULT_LOAD_TOKENS, step=8, label="Tokens per reply", scale=2)
+        start = gr.Button("Start load", variant="primary", scale=1, elem_id="load-start")
+        stop = gr.Button("Stop load", variant="stop", scale=1, elem_id="load-stop")
+    load_status = gr.HTML(panel_view.load_status_html(load.status()), elem_id="load-status")
+
+    plots = []
+    for row in panel_view.PLOT_ROWS:
+        with gr.Row():
+            for name in row:
+                spec = panel_view.PLOTS[name]
+                plots.append(gr.LinePlot(
+                    panel_view.plot_frames(feed.history(), ())[name], x="t", y=spec.y, color="series",
+                    title=spec.title, x_title="seconds before now", y_title=spec.y_title, color_map=COLORS,
+                    x_lim=[-panel_view.PLOT_SPAN_S, 0], y_lim=[0, 100] if spec.percent else None,
+                    height=220, elem_id=f"plot-{name.replace('_', '-')}"))
+
+    gr.Markdown("### Block map\nEvery KV block, one cell each. Hover a cell for its id, references, owners and hash.")
+    freeze = gr.Checkbox(False, label="Freeze the block map (to hover over it while the engine runs)")
+    block_map = gr.HTML(elem_id="block-map")
+
+    timer = gr.Timer(feed.interval_s)
+    timer.tick(on_tick, [freeze], [header, *plots, block_map, load_status], show_progress="hidden",
+               api_visibility="private")
+    start.click(on_start, [users, prompt, max_tokens], [load_status], api_name="start_load")
+    stop.click(on_stop, None, [load_status], api_name="stop_load")
