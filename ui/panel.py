@@ -27,13 +27,19 @@ def build_panel(feed: PanelFeed, load: LoadGenerator) -> None:
     client = feed.client
     info = client.info()
 
-    def on_tick(freeze: bool):
+    def on_tick(freeze: bool, shown: int | None):
         history = feed.history()
         first_tokens = client.recent_first_tokens()
         frames = panel_view.plot_frames(history, first_tokens)
-        grid = gr.skip() if freeze else panel_view.block_map_html(feed.block_map(), info)
+        grid = gr.skip()
+        if not freeze:
+            # The map is the page's largest update (~0.5 MB at 4k blocks): resend it only when it
+            # changed, which also keeps a hovered cell's tooltip up while the engine is idle.
+            html = panel_view.block_map_html(feed.block_map(), info)
+            if hash(html) != shown:
+                grid, shown = html, hash(html)
         return (panel_view.header_html(history, info, first_tokens), *frames.values(), grid,
-                panel_view.load_status_html(load.status()))
+                panel_view.load_status_html(load.status()), shown)
 
     def on_start(users: float, prompt: str, max_tokens: float):
         try:
@@ -75,8 +81,9 @@ def build_panel(feed: PanelFeed, load: LoadGenerator) -> None:
     freeze = gr.Checkbox(False, label="Freeze the block map (to hover over it while the engine runs)")
     block_map = gr.HTML(elem_id="block-map")
 
+    shown_map = gr.State(None)  # hash of the block map this page shows
     timer = gr.Timer(feed.interval_s)
-    timer.tick(on_tick, [freeze], [header, *plots, block_map, load_status], show_progress="hidden",
-               api_visibility="private")
+    timer.tick(on_tick, [freeze, shown_map], [header, *plots, block_map, load_status, shown_map],
+               show_progress="hidden", api_visibility="private")
     start.click(on_start, [users, prompt, max_tokens], [load_status], api_name="start_load")
     stop.click(on_stop, None, [load_status], api_name="stop_load")
