@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kernels import reference  # noqa: E402
-from kernels.triton_attention import paged_attention  # noqa: E402
+from kernels.triton_attention import paged_attention, plan  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:
@@ -81,17 +81,23 @@ def main() -> None:
     # Decode: reads every key and value once; compare with what a plain copy moves.
     q, k_cache, v_cache, cu, lens, table = paged_batch(batch, 1, context, heads, kv_heads, head_dim, 16, dtype, device)
     kv_bytes = 2 * batch * context * kv_heads * head_dim * k_cache.element_size()
-    decode_s = timed(lambda: paged_attention(q, k_cache, v_cache, cu, lens, table, scale), repeats)
+    # The engine plans a step's tiling once on the host and shares it across layers: so here.
+    decode_plan = plan([1] * batch, context, heads, kv_heads, head_dim, device)
+    decode_s = timed(lambda: paged_attention(q, k_cache, v_cache, cu, lens, table, scale,
+                                             attention_plan=decode_plan), repeats)
     copy_bps = copy_bandwidth(kv_bytes, device, repeats)
     decode_bps = kv_bytes / decode_s
-    rows.append((f"decode attention {batch} x {context}, {heads}/{kv_heads} heads, d={head_dim}",
+    rows.append((f"decode attention {batch} x {context}, {heads}/{kv_heads} heads, d={head_dim}, "
+                 f"{decode_plan.splits} split(s)",
                  f"{decode_s * 1e3:.3f} ms", f"{decode_bps / 1e9:.0f} GB/s = {decode_bps / copy_bps:.0%} of copy"))
     rows.append(("device copy (read + write)", "", f"{copy_bps / 1e9:.0f} GB/s"))
 
     # Prefill: the same data as paged blocks and as contiguous tensors for SDPA.
     q, k_cache, v_cache, cu, lens, table = paged_batch(4, prefill, prefill, heads, kv_heads, head_dim, 16, dtype,
                                                        device)
-    paged_s = timed(lambda: paged_attention(q, k_cache, v_cache, cu, lens, table, scale), max(2, repeats // 4))
+    prefill_plan = plan([prefill] * 4, prefill, heads, kv_heads, head_dim, device)
+    paged_s = timed(lambda: paged_attention(q, k_cache, v_cache, cu, lens, table, scale,
+                                            attention_plan=prefill_plan), max(2, repeats // 4))
     k = k_cache[table.long()].reshape(4, prefill, kv_heads, head_dim).transpose(1, 2)
     v = v_cache[table.long()].reshape(4, prefill, kv_heads, head_dim).transpose(1, 2)
     qd = q.view(4, prefill, heads, head_dim).transpose(1, 2)
@@ -121,6 +127,7 @@ def main() -> None:
         print(f"{label:<52} {t:>12}  {figure}")
     print(json.dumps({"device": name, "small": args.small, "decode_attention_gbs": round(decode_bps / 1e9, 2),
                       "copy_gbs": round(copy_bps / 1e9, 2), "decode_bandwidth_share": round(decode_bps / copy_bps, 4),
+                      "decode_splits": decode_plan.splits,
                       "prefill_ms": round(paged_s * 1e3, 3), "sdpa_prefill_ms": round(sdpa_s * 1e3, 3),
                       "prefill_vs_sdpa": round(sdpa_s / paged_s, 3),
                       "swap_out_gbs": round(nbytes / out_s / 1e9, 2), "swap_in_gbs": round(nbytes / in_s / 1e9, 2),

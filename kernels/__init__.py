@@ -30,12 +30,23 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     return reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
+def plan_attention(q_lens: list[int], k_lens: list[int], num_heads: int, kv_heads: int, head_dim: int,
+                   cache: torch.Tensor):
+    """The step's attention plan, shared by every layer: the Triton path tiles the batch once
+    here, on the host, instead of reading the lengths back from the device in every layer.
+    None for the torch path, which needs none."""
+    if backend(cache) != "triton":
+        return None
+    from kernels import triton_attention
+    return triton_attention.plan(q_lens, max(k_lens, default=0), num_heads, kv_heads, head_dim, cache.device)
+
+
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal=True,
-                    out=None) -> torch.Tensor:
+                    out=None, attention_plan=None) -> torch.Tensor:
     if backend(k_cache) == "triton":
         from kernels import triton_attention
         return triton_attention.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table,
-                                                softmax_scale, causal, out)
+                                                softmax_scale, causal, out, attention_plan=attention_plan)
     return reference.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, softmax_scale,
                                      causal, out)
 
@@ -49,4 +60,4 @@ def copy_blocks(cache, pairs) -> None:
 
 swap_blocks = reference.swap_blocks
 
-__all__ = ["backend", "copy_blocks", "paged_attention", "store_kv", "swap_blocks"]
+__all__ = ["backend", "copy_blocks", "paged_attention", "plan_attention", "store_kv", "swap_blocks"]

@@ -11,6 +11,7 @@ also split across programs (flash-decoding) and a second kernel merges the parti
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -118,55 +119,90 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, cu_q
              mask=dims < HEAD_DIM)
 
 
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one step's batch is tiled: worked out once per step on the host from the lengths the
+    model runner already holds, then shared by every layer, so a layer's launch needs no
+    device-to-host read (the precondition for capturing decode steps in a CUDA graph)."""
+    block_m: int               # query rows per tile: BLOCK_Q tokens x REP heads
+    block_q: int               # query tokens per tile
+    tile_seq: torch.Tensor     # [tiles] int32: the sequence of each tile
+    tile_start: torch.Tensor   # [tiles] int32: its first query token within the sequence
+    num_seqs: int
+    splits: int                # flash-decoding: programs per (sequence, K/V head); 1 = no split
+    split_len: int             # keys per split (a multiple of 16), 0 without splits
+    part_acc: torch.Tensor     # split partial results, reused by every layer (one stream)
+    part_max: torch.Tensor
+    part_sum: torch.Tensor
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_seq.shape[0]
+
+
+def plan(q_lens: list[int], max_k_len: int, num_heads: int, kv_heads: int, head_dim: int,
+         device: torch.device | str, num_splits: int | None = None) -> AttentionPlan:
+    """The tiling of a batch with these query lengths and longest context. `num_splits` forces
+    flash-decoding's split count for a decode-only batch (None: chosen from the shape)."""
+    rep = num_heads // kv_heads
+    decode_only = bool(q_lens) and max(q_lens) == 1
+    block_m = max(16, triton.next_power_of_2(rep * (1 if decode_only else 4)))
+    block_q = block_m // rep
+    tiles = [(seq, first) for seq, n in enumerate(q_lens) for first in range(0, n, block_q)]
+    splits = num_splits or _choose_splits(q_lens, max_k_len, kv_heads, torch.device(device))
+    split_len = 0
+    if splits > 1 and decode_only:
+        split_len = triton.cdiv(triton.cdiv(max_k_len, splits), 16) * 16
+        splits = triton.cdiv(max_k_len, split_len)
+    else:
+        splits = 1
+    parts = len(q_lens) * num_heads * splits if splits > 1 else 1
+    columns = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2).T.contiguous().to(device)
+    return AttentionPlan(block_m, block_q, columns[0], columns[1], len(q_lens), splits, split_len,
+                         torch.empty(parts, triton.next_power_of_2(head_dim), dtype=torch.float32, device=device),
+                         torch.empty(parts, dtype=torch.float32, device=device),
+                         torch.empty(parts, dtype=torch.float32, device=device))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
                     softmax_scale: float, causal: bool = True, out: torch.Tensor | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
-    """Same contract as `kernels.reference.paged_attention`. `num_splits` forces flash-decoding's
-    split count for a decode-only batch (None: chosen from the batch's shape)."""
+                    num_splits: int | None = None, attention_plan: AttentionPlan | None = None) -> torch.Tensor:
+    """Same contract as `kernels.reference.paged_attention`. Pass the step's `attention_plan`
+    (see `plan`) to launch without reading anything back from the device; without one it is
+    worked out here from the lengths (`num_splits` as in `plan`)."""
     total_q, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     rep = num_heads // kv_heads
     assert q.stride(-1) == k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     out = torch.empty_like(q) if out is None else out
-    starts = cu_seqlens_q.tolist()
-    q_lens = [b - a for a, b in zip(starts, starts[1:])]
-    block_m = max(16, triton.next_power_of_2(rep * (1 if max(q_lens) == 1 else 4)))
-    block_q = block_m // rep
-    tiles = [(seq, first) for seq, n in enumerate(q_lens) for first in range(0, n, block_q)]
-    if not tiles:
+    if attention_plan is None:
+        starts = cu_seqlens_q.tolist()
+        q_lens = [b - a for a, b in zip(starts, starts[1:])]
+        max_k_len = int(seqused_k.max()) if q_lens else 0
+        attention_plan = plan(q_lens, max_k_len, num_heads, kv_heads, head_dim, q.device, num_splits)
+    p = attention_plan
+    if p.num_tiles == 0:
         return out
-    device = q.device
-    tile_seq = torch.tensor([t[0] for t in tiles], dtype=torch.int32, device=device)
-    tile_start = torch.tensor([t[1] for t in tiles], dtype=torch.int32, device=device)
-    splits = num_splits or _choose_splits(q_lens, int(seqused_k.max()), kv_heads, device)
-    split = splits > 1 and max(q_lens) == 1
-    split_len = triton.cdiv(int(seqused_k.max()), splits) if split else 0
-    if split:
-        split_len = triton.cdiv(split_len, 16) * 16
-        splits = triton.cdiv(int(seqused_k.max()), split_len)
-    dim_p2 = triton.next_power_of_2(head_dim)
-    parts = (len(q_lens) * num_heads * splits) if split else 1
-    part_acc = torch.empty(parts, dim_p2, dtype=torch.float32, device=device)
-    part_max = torch.empty(parts, dtype=torch.float32, device=device)
-    part_sum = torch.empty(parts, dtype=torch.float32, device=device)
+    split = p.splits > 1
     # Triton's CPU interpreter computes bf16/fp16 dot products wrongly (triton 3.9): there, and
     # only there, the operands are upcast to fp32 first.
     upcast = os.environ.get("TRITON_INTERPRET") == "1" and q.dtype != torch.float32
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
-    _attention_kernel[(len(tiles), kv_heads, splits if split else 1)](
-        q, k_cache, v_cache, out, part_acc, part_max, part_sum,
-        cu_seqlens_q, seqused_k, block_table, tile_seq, tile_start,
-        softmax_scale, split_len,
+    dim_p2 = triton.next_power_of_2(head_dim)
+    _attention_kernel[(p.num_tiles, kv_heads, p.splits)](
+        q, k_cache, v_cache, out, p.part_acc, p.part_max, p.part_sum,
+        cu_seqlens_q, seqused_k, block_table, p.tile_seq, p.tile_start,
+        softmax_scale, p.split_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         NUM_HEADS=num_heads, REP=rep, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=32, CAUSAL=causal, SPLIT=split, PRECISION=precision,
+        BLOCK_M=p.block_m, BLOCK_Q=p.block_q, TILE_N=32, CAUSAL=causal, SPLIT=split, PRECISION=precision,
         UPCAST=upcast)
     if split:
-        _merge_splits_kernel[(len(q_lens), num_heads)](
-            out, part_acc, part_max, part_sum, cu_seqlens_q, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+        _merge_splits_kernel[(p.num_seqs, num_heads)](
+            out, p.part_acc, p.part_max, p.part_sum, cu_seqlens_q, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=p.splits, SPLITS_P2=triton.next_power_of_2(p.splits),
             HEAD_DIM=head_dim, DIM_P2=dim_p2)
     return out
 
@@ -174,7 +210,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _choose_splits(q_lens: list[int], max_k_len: int, kv_heads: int, device: torch.device) -> int:
     """Flash-decoding pays off when a decode batch has too few (sequence, head) pairs to fill the
     GPU and long contexts to share out: aim for about two programs per multiprocessor."""
-    if max(q_lens) != 1 or max_k_len < 512 or device.type != "cuda":
+    if not q_lens or max(q_lens) != 1 or max_k_len < 512 or device.type != "cuda":
         return 1
     programs = len(q_lens) * kv_heads
     sms = torch.cuda.get_device_properties(device).multi_processor_count

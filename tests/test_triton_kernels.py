@@ -86,3 +86,26 @@ def test_engine_outputs_with_triton_forced_equal_the_torch_path(tiny_model_dir, 
     with_triton = run("triton")
     assert calls, "the Triton kernels did not run"
     assert with_triton == run("torch")
+
+
+@pytest.mark.parametrize("case", ["mixed", "decode_long"])
+def test_a_step_plan_gives_the_same_result_without_reading_lengths_back(case, monkeypatch):
+    """The plan is made once per step from host lengths; a layer's launch with it must not ask
+    the device for cu_seqlens_q or seqused_k (a sync per layer, and no CUDA graph capture)."""
+    q_lens, k_lens, shared = {"mixed": ([5, 1, 17, 1], [40, 33, 17, 130], 0),
+                              "decode_long": ([1, 1, 1], [2000, 47, 129], 0)}[case]
+    q, k_cache, v_cache, cu, seqused, table, _ = build(q_lens, k_lens, 2, 8, 64, shared, seed=11)
+    q, k_cache, v_cache, cu, seqused, table = on_device(q, k_cache, v_cache, cu, seqused, table)
+    step_plan = triton_attention.plan(q_lens, max(k_lens), 8, 2, 64, q.device,
+                                      num_splits=3 if case == "decode_long" else None)
+    assert (step_plan.splits > 1) == (case == "decode_long")
+    want = reference.paged_attention(q, k_cache, v_cache, cu, seqused, table, 0.125)
+    for name in ("tolist", "item", "__int__", "max"):  # reading a length back now fails the test
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, name=name, **k: pytest.fail(f"Tensor.{name} during the launch"))
+    got = triton_attention.paged_attention(q, k_cache, v_cache, cu, seqused, table, 0.125, out=poisoned(q),
+                                           attention_plan=step_plan)
+    monkeypatch.undo()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    again = triton_attention.paged_attention(q, k_cache, v_cache, cu, seqused, table, 0.125, out=poisoned(q),
+                                             attention_plan=step_plan)  # the plan's buffers are reusable
+    torch.testing.assert_close(again, want, rtol=1e-5, atol=1e-5)

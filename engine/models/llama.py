@@ -24,6 +24,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor   # [num_seqs + 1] query offsets into the flattened batch
     seqused_k: torch.Tensor      # [num_seqs] context length after this step
     block_table: torch.Tensor    # [num_seqs, max_blocks] int32
+    plan: object = None          # the kernels' per-step tiling (kernels.plan_attention), if they use one
 
 
 @dataclass
@@ -120,7 +121,7 @@ class LlamaModel:
             k_cache, v_cache = kv_cache[:, index, 0], kv_cache[:, index, 1]
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
-                                           meta.block_table, self.scale)
+                                           meta.block_table, self.scale, attention_plan=meta.plan)
             hidden = hidden + layer.o_proj(attn.reshape(-1, q_size))
             x = _rms_norm(hidden, layer.post_norm, self.eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
