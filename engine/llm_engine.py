@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import SchedulerConfig
+from engine.decode_graphs import BUCKETS
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_loader import DEFAULT_MODEL_NAME, load_hf_model
 from engine.model_runner import ModelRunner
@@ -56,7 +57,7 @@ class LLMEngine:
                  gpu_memory_utilization: float = 0.9, kv_cache_memory_gib: float = 1.0,
                  swap_space: float = 1.0, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 preemption_mode: str = "auto", watermark: float = 0.01) -> None:
+                 preemption_mode: str = "auto", watermark: float = 0.01, cuda_graphs: bool | None = None) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         hf_model, self.tokenizer = load_hf_model(model, self.dtype)
@@ -83,7 +84,10 @@ class LLMEngine:
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode, watermark=watermark)
         self.scheduler = Scheduler(self.config)
-        self.runner = ModelRunner(self.model, num_gpu_blocks, num_cpu_blocks, block_size)
+        if cuda_graphs is None:  # on a GPU by default; elsewhere only asked for (the tests do)
+            cuda_graphs = self.device.type == "cuda"
+        graph_batch = min(max_num_seqs, BUCKETS[-1]) if cuda_graphs else 0
+        self.runner = ModelRunner(self.model, num_gpu_blocks, num_cpu_blocks, block_size, max_model_len, graph_batch)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._samples: dict[str, _SampleState] = {}
 

@@ -10,18 +10,30 @@ from __future__ import annotations
 import torch
 
 import kernels
+from engine.decode_graphs import DecodeGraphs
 from engine.models.llama import AttentionMetadata, LlamaModel
 from engine.sampler import SamplingRow, make_generator, sample
 from engine.scheduler_output import SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                 max_model_len: int | None = None, decode_graph_batch: int = 0) -> None:
+        """`decode_graph_batch` > 0: decode batches up to that size run through DecodeGraphs
+        (captured CUDA graphs on a GPU; the same padded path, eagerly, elsewhere)."""
         self.model = model
         self.device = model.device
         self.block_size = block_size
         self.kv_cache = torch.zeros(model.kv_cache_shape(num_gpu_blocks, block_size), dtype=model.dtype,
                                     device=self.device)
+        # No position reaches max_model_len (the scheduler ends a request there, and it never
+        # exceeds the pool): the rotary table is sized once and never moves (a CUDA graph holds
+        # its address).
+        max_model_len = max_model_len or num_gpu_blocks * block_size
+        model.ensure_rope(max_model_len)
+        self.graphs = None
+        if decode_graph_batch > 0:
+            self.graphs = DecodeGraphs(model, self.kv_cache, decode_graph_batch, -(-max_model_len // block_size))
         pin = self.device.type == "cuda"
         self.host_cache = torch.zeros(model.kv_cache_shape(max(num_cpu_blocks, 0), block_size),
                                       dtype=model.dtype, pin_memory=pin)
@@ -50,6 +62,18 @@ class ModelRunner:
             table_rows.append(table)
             if item.num_samples:
                 sample_rows.append(len(cu_q) - 2)
+        if self.graphs is not None and len(input_ids) == len(table_rows) <= self.graphs.max_batch:
+            # A decode batch (one new token per sequence): replayed from a captured graph.
+            logits = self.graphs.run(input_ids, positions, slots, k_lens, table_rows)
+            logits = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
+        else:
+            logits = self._forward_eager(input_ids, positions, slots, cu_q, k_lens, table_rows, sample_rows)
+        if not sample_rows:
+            return {}
+        return self._sample(out, logits, sample_rows)
+
+    def _forward_eager(self, input_ids: list[int], positions: list[int], slots: list[int], cu_q: list[int],
+                       k_lens: list[int], table_rows: list[list[int]], sample_rows: list[int]) -> torch.Tensor:
         device = self.device
         width = max(len(t) for t in table_rows)
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in table_rows], dtype=torch.int32)
@@ -63,10 +87,10 @@ class ModelRunner:
                                         head_dim=self.model.head_dim, cache=self.kv_cache))
         # Empty when every request is mid-prompt: the step only fills the cache.
         logits_indices = torch.tensor([cu_q[i + 1] - 1 for i in sample_rows], dtype=torch.int64, device=device)
-        logits = self.model.forward(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
-                                    self.kv_cache, meta, logits_indices)
-        if not sample_rows:
-            return {}
+        return self.model.forward(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
+                                  self.kv_cache, meta, logits_indices)
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sample_rows: list[int]) -> dict[str, list[int]]:
         rows = []
         items = [out.scheduled[i] for i in sample_rows]
         for item in items:

@@ -31,14 +31,16 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def plan_attention(q_lens: list[int], k_lens: list[int], num_heads: int, kv_heads: int, head_dim: int,
-                   cache: torch.Tensor):
+                   cache: torch.Tensor, num_splits: int | None = None):
     """The step's attention plan, shared by every layer: the Triton path tiles the batch once
     here, on the host, instead of reading the lengths back from the device in every layer.
-    None for the torch path, which needs none."""
+    `num_splits` fixes flash-decoding's split count (None: from the shape). None for the torch
+    path, which needs none."""
     if backend(cache) != "triton":
         return None
     from kernels import triton_attention
-    return triton_attention.plan(q_lens, max(k_lens, default=0), num_heads, kv_heads, head_dim, cache.device)
+    return triton_attention.plan(q_lens, max(k_lens, default=0), num_heads, kv_heads, head_dim, cache.device,
+                                 num_splits)
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal=True,

@@ -86,6 +86,15 @@ class LlamaModel:
         return table.to(self.dtype)
 
     @property
+    def rope_length(self) -> int:
+        return self._cos_sin.shape[0]
+
+    def ensure_rope(self, length: int) -> None:
+        """Make the rotary table cover positions 0..length-1 (never shrinks it)."""
+        if length > self._cos_sin.shape[0]:
+            self._cos_sin = self._rope_table(length)
+
+    @property
     def num_parameters(self) -> int:
         """Every weight counted once (a tied output embedding is the input embedding)."""
         total = self.embed.numel() + self.norm.numel() + (0 if self.tied else self.lm_head.numel())
@@ -103,9 +112,9 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: `[num_tokens]`; returns fp32 logits `[len(logits_indices), vocab]`."""
-        if int(positions.max()) >= self._cos_sin.shape[0]:
-            self._cos_sin = self._rope_table(2 * int(positions.max()) + 1)
+        """input_ids, positions: `[num_tokens]`; returns fp32 logits `[len(logits_indices), vocab]`.
+        Positions must be below `rope_length` (see `ensure_rope`): checking here would read them
+        back from the device on every step."""
         cos_sin = self._cos_sin[positions]  # [num_tokens, 2, head_dim]
         cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]
         hidden = F.embedding(input_ids, self.embed)

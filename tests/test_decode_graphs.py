@@ -1,0 +1,98 @@
+"""Decode steps through DecodeGraphs: padded to a bucket, run from static buffers (and replayed
+from CUDA graphs on a GPU). On a CPU the same padded path runs eagerly, which is what must give
+exactly the outputs of the ordinary path."""
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.decode_graphs import BUCKETS, DecodeGraphs, buckets_up_to
+
+PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a land far away,",
+           "1, 2, 3, 4,", "Water boils at", "Knock knock."]
+
+
+def test_buckets():
+    assert buckets_up_to(1) == [1]
+    assert buckets_up_to(5) == [1, 2, 4, 5]
+    assert buckets_up_to(256) == list(BUCKETS)
+    assert buckets_up_to(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+
+
+def count_graph_runs(monkeypatch) -> list[int]:
+    sizes: list[int] = []
+    run = DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, ids, *a: sizes.append(len(ids)) or run(self, ids, *a))
+    return sizes
+
+
+def outputs(llm: LLM, tokenizer) -> list:
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in PROMPTS]
+    greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    seeded = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=3, max_tokens=8, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts, greedy) + llm.generate(prompts[:3], seeded)
+    return [[(o.token_ids, o.logprobs) for o in out.outputs] for out in outs]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_padded_decode_path_equals_the_ordinary_path(tiny_model_dir, tokenizer, monkeypatch, kernels):
+    monkeypatch.setenv("PAGEDCHAT_KERNELS", kernels)
+    plain = outputs(LLM(tiny_model_dir, num_gpu_blocks=64, cuda_graphs=False), tokenizer)
+    sizes = count_graph_runs(monkeypatch)
+    padded = outputs(LLM(tiny_model_dir, num_gpu_blocks=64, max_num_seqs=16, cuda_graphs=True), tokenizer)
+    assert sizes and set(sizes) - set(BUCKETS), f"no decode batch needed padding: {sorted(set(sizes))}"
+    assert_same(padded, plain)
+
+
+def assert_same(got, want):
+    """Same tokens; log-probabilities equal up to float noise (a padded batch multiplies its
+    matrices in other shapes, which moves the last bits)."""
+    assert [[tokens for tokens, _ in out] for out in got] == [[tokens for tokens, _ in out] for out in want]
+    for out_got, out_want in zip(got, want):
+        for (_, lp_got), (_, lp_want) in zip(out_got, out_want):
+            assert (lp_got is None) == (lp_want is None)
+            for step_got, step_want in zip(lp_got or [], lp_want or []):
+                assert step_got.keys() == step_want.keys()
+                assert all(abs(step_got[k] - step_want[k]) < 1e-4 for k in step_got)
+
+
+def test_under_preemption_and_beyond_the_largest_bucket(tiny_model_dir, tokenizer, monkeypatch):
+    """A small pool forces swaps and recomputes; decode batches above max_batch go the ordinary way."""
+    prompts = [tokenizer(f"Story number {i}: once upon a time", add_special_tokens=False).input_ids
+               for i in range(10)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_model_dir, num_gpu_blocks=256).generate(prompts, params)]
+    sizes = count_graph_runs(monkeypatch)
+    llm = LLM(tiny_model_dir, num_gpu_blocks=24, num_cpu_blocks=64, max_num_seqs=10, cuda_graphs=True)
+    llm.engine.runner.graphs = DecodeGraphs(llm.engine.model, llm.engine.runner.kv_cache, 4, 64, capture=False)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert sizes and max(sizes) <= 4
+    assert llm.stats().num_preemptions_swap + llm.stats().num_preemptions_recompute > 0
+
+
+def test_padding_rows_write_nothing_and_limits_are_checked(tiny_model_dir):
+    llm = LLM(tiny_model_dir, num_gpu_blocks=16, cuda_graphs=True)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.max_batch == 256 and not graphs.captured  # no capture on a CPU
+    cache = llm.engine.runner.kv_cache
+    cache.normal_()
+    before = cache.clone()
+    # Three sequences in a bucket of 4: one new token each, at slots 5, 21 and 40.
+    logits = graphs.run([11, 12, 13], [5, 5, 8], [5, 21, 40], [6, 6, 9], [[0], [1], [2]])
+    assert logits.shape == (3, llm.engine.model.vocab_size) and torch.isfinite(logits).all()
+    changed = (cache != before).flatten(1).any(1).nonzero().flatten().tolist()  # per block
+    assert changed == [0, 1, 2]
+    written = (cache != before).reshape(cache.shape[0], cache.shape[1], 2, 16, -1).any(-1).any(2).any(1)
+    assert written.nonzero().tolist() == [[0, 5], [1, 5], [2, 8]]  # (block, slot in block): nothing else
+    with pytest.raises(ValueError, match="does not fit"):
+        graphs.run([1] * 257, [0] * 257, [-1] * 257, [1] * 257, [[0]] * 257)
+    with pytest.raises(ValueError, match="longer than"):
+        graphs.run([1], [0], [0], [1], [[0] * (graphs.block_table.shape[1] + 1)])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: needs a GPU")
+def test_captured_graphs_replay_the_eager_outputs(tiny_model_dir, tokenizer):
+    eager = outputs(LLM(tiny_model_dir, device="cuda", num_gpu_blocks=64, cuda_graphs=False), tokenizer)
+    llm = LLM(tiny_model_dir, device="cuda", num_gpu_blocks=64, max_num_seqs=16, cuda_graphs=True)
+    assert llm.engine.runner.graphs.captured
+    assert_same(outputs(llm, tokenizer), eager)
