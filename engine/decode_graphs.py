@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 import kernels
@@ -99,9 +100,9 @@ class DecodeGraphs:
         width = self.block_table.shape[1]
         if max(len(t) for t in block_tables) > width:
             raise ValueError(f"a block table is longer than the {width} blocks a sequence may hold")
-        table = torch.zeros(b, width, dtype=torch.int32)
+        table = np.zeros((b, width), dtype=np.int32)
         for row, blocks in enumerate(block_tables):
-            table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            table[row, :len(blocks)] = blocks
         pad = b - n
         # Host-built, then one copy each into the static buffers (non-blocking from pinned memory
         # would need pinned staging; these are a few KiB).
@@ -109,7 +110,7 @@ class DecodeGraphs:
         self.positions[:b].copy_(torch.tensor(positions + [0] * pad))
         self.slot_mapping[:b].copy_(torch.tensor(slots + [-1] * pad))
         self.seqused_k[:b].copy_(torch.tensor(k_lens + [1] * pad, dtype=torch.int32))
-        self.block_table[:b].copy_(table)
+        self.block_table[:b].copy_(torch.from_numpy(table))
         graph = self._graphs.get(b)
         if graph is not None:
             graph.replay()
