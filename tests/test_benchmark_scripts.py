@@ -23,3 +23,16 @@ def test_kernels_script_small():
     figures = last_json_line(["benchmarks/kernels.py", "--small"])
     assert figures["small"] is True
     assert {"decode_attention_gbs", "copy_gbs", "prefill_vs_sdpa", "swap_out_gbs", "swap_in_gbs"} <= set(figures)
+
+
+def test_throughput_script_random_tiny():
+    """The GPU benchmark's path (random Llama built from a config, only systems (c) and (d)) on tiny
+    shapes on the CPU."""
+    figures = last_json_line(["benchmarks/throughput.py", "--model", "random-llama-tiny", "--systems", "c,d",
+                              "--chats", "4", "--output-tokens", "8", "--skip-ttft"])
+    assert figures["hf_generate_batch_tok_s"] > 0 and figures["engine_tok_s"] > 0
+    assert figures["engine_vs_hf_generate_batch"] > 0
+    assert figures["model"] == "random-llama-tiny" and figures["num_parameters"] > 1_000_000
+    assert figures["systems"] == "cd" and figures["device"] == "cpu"
+    assert figures["chats"] == 4 and figures["output_tokens"] == 8 and figures["incomplete_systems"] == []
+    assert "hf_batch_tok_s" not in figures and "ttft_cached_s" not in figures
