@@ -15,8 +15,14 @@ import torch  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    """SmolLM2-135M-Instruct's tokenizer (ChatML template, eos `<|im_end|>` = 2)."""
+    """SmolLM2-135M-Instruct's tokenizer (ChatML template, eos `<|im_end|>` = 2); from the folder
+    $PAGEDCHAT_TOKENIZER when set (a machine without the embedded model, such as a lent GPU
+    machine with no network, gets a saved copy of it)."""
     from engine.model_loader import load_tokenizer
+    folder = os.environ.get("PAGEDCHAT_TOKENIZER")
+    if folder:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(folder)
     return load_tokenizer(None)
 
 
