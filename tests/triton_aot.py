@@ -1,0 +1,94 @@
+"""Compile every Triton kernel for a GPU architecture without a GPU, in the shapes the engine
+launches, and print one JSON line per kernel (name, case, shared memory, cubin size).
+
+Triton's wheel carries its NVIDIA toolchain (ptxas), so source → TTIR → TTGIR → LLVM IR → PTX →
+cubin runs on any machine. Run as a script (tests/test_triton_compile.py does), never under
+TRITON_INTERPRET, which turns @triton.jit functions into interpreted ones:
+
+    python tests/triton_aot.py 90 89
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels import triton_attention, triton_cache  # noqa: E402
+
+POINTER = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+# (heads, K/V heads, head size) of what we serve: SmolLM2-135M, Llama-3.2-1B-like, the kernel benchmark.
+MODELS = {"smollm2": (9, 3, 64), "llama-1b": (32, 8, 64), "bench": (32, 8, 128)}
+
+
+def compile_kernel(kernel, signature: dict, constants: dict, arch: int) -> dict:
+    signature = signature | {name: "constexpr" for name in constants}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", arch, 32))
+    return {"shared": compiled.metadata.shared, "cubin_bytes": len(compiled.asm["cubin"])}
+
+
+def attention_cases():
+    """(case name, dtype, constexprs) from the plans the engine makes for prefill, decode and split decode."""
+    for model, (heads, kv_heads, head_dim) in MODELS.items():
+        for dtype in ("bf16", "fp16", "fp32"):
+            for phase, q_lens, splits in (("prefill", [300, 1], None), ("decode", [1] * 4, 1),
+                                          ("split decode", [1] * 2, 4)):
+                plan = triton_attention.plan(q_lens, 4096, heads, kv_heads, head_dim, "cpu", splits)
+                yield f"{model} {dtype} {phase}", dtype, dict(
+                    NUM_HEADS=heads, REP=heads // kv_heads, HEAD_DIM=head_dim,
+                    DIM_P2=triton.next_power_of_2(head_dim), BLOCK_SIZE=16, BLOCK_M=plan.block_m,
+                    BLOCK_Q=plan.block_q, TILE_N=32, CAUSAL=True, SPLIT=plan.splits > 1,
+                    PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST=False)
+
+
+def main(archs: list[int]) -> None:
+    for arch in archs:
+        seen = set()
+        for case, dtype, constants in attention_cases():
+            if (dtype, tuple(constants.items())) in seen:  # phases whose plans tile alike compile alike
+                continue
+            seen.add((dtype, tuple(constants.items())))
+            ptr = POINTER[dtype]
+            signature = {"q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "out_ptr": ptr,
+                         "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+                         "cu_q_ptr": "*i32", "seqused_k_ptr": "*i32", "block_table_ptr": "*i32",
+                         "tile_seq_ptr": "*i32", "tile_start_ptr": "*i32", "scale": "fp32", "split_len": "i32",
+                         "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
+                         "stride_cb": "i64", "stride_ct": "i32", "stride_ch": "i32", "stride_bt": "i32"}
+            figures = compile_kernel(triton_attention._attention_kernel, signature, constants, arch)
+            print(json.dumps({"arch": arch, "kernel": "attention", "case": case} | figures), flush=True)
+            if constants["SPLIT"]:
+                merge = compile_kernel(
+                    triton_attention._merge_splits_kernel,
+                    {"out_ptr": POINTER[dtype], "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32",
+                     "part_sum_ptr": "*fp32", "cu_q_ptr": "*i32", "stride_ot": "i32", "stride_oh": "i32"},
+                    dict(NUM_HEADS=constants["NUM_HEADS"], NUM_SPLITS=4, SPLITS_P2=4,
+                         HEAD_DIM=constants["HEAD_DIM"], DIM_P2=constants["DIM_P2"]), arch)
+                print(json.dumps({"arch": arch, "kernel": "merge_splits", "case": case} | merge), flush=True)
+        for dtype in ("bf16", "fp32"):
+            for model, (_, kv_heads, head_dim) in MODELS.items():
+                ptr = POINTER[dtype]
+                store = compile_kernel(
+                    triton_cache._store_kv_kernel,
+                    {"key_ptr": ptr, "value_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "slot_ptr": "*i64",
+                     "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32",
+                     "stride_cb": "i64", "stride_ct": "i32", "stride_ch": "i32"},
+                    dict(NUM_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=16,
+                         HEADS_P2=triton.next_power_of_2(kv_heads), DIM_P2=triton.next_power_of_2(head_dim)), arch)
+                print(json.dumps({"arch": arch, "kernel": "store_kv", "case": f"{model} {dtype}"} | store), flush=True)
+            copy = compile_kernel(triton_cache._copy_blocks_kernel,
+                                  {"cache_ptr": POINTER[dtype], "pairs_ptr": "*i64", "block_numel": "i64"},
+                                  dict(CHUNK=1024), arch)
+            print(json.dumps({"arch": arch, "kernel": "copy_blocks", "case": dtype} | copy), flush=True)
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or [90])
