@@ -12,7 +12,7 @@ import time
 import pytest
 
 pytest.importorskip("gradio")
-from web_browser import Browser, browser, png_size, screenshot_target, serve, sync_api  # noqa: E402,F401  (browser: a fixture)
+from web_browser import Browser, browser, png_size, screenshot_target, serve, set_slider, sync_api  # noqa: E402,F401  (browser: a fixture)
 
 expect = sync_api.expect
 
@@ -56,16 +56,8 @@ def set_params(page, max_tokens: int, temperature: float = 0.0) -> None:
     max_box = page.get_by_role("spinbutton", name="number input for Max new tokens")
     if not max_box.is_visible():
         page.get_by_text("System prompt and parameters").click()
-    for label, value in (("Max new tokens", max_tokens), ("Temperature", temperature)):
-        box = page.get_by_role("spinbutton", name=f"number input for {label}")
-        slider = page.get_by_role("slider", name=f"range slider for {label}")
-        for _ in range(20):  # a slider that has just mounted may still take its initial value
-            box.fill(str(value))
-            box.press("Tab")
-            if float(slider.input_value()) == value:
-                break
-            time.sleep(0.1)
-        assert float(slider.input_value()) == value, f"{label} stayed at {slider.input_value()}"
+    set_slider(page, "Max new tokens", max_tokens)
+    set_slider(page, "Temperature", temperature)
 
 
 def send(page, text: str) -> None:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 pytest.importorskip("gradio")
-from web_browser import Browser, browser, png_size, screenshot_target, serve, sync_api  # noqa: E402,F401
+from web_browser import Browser, browser, png_size, screenshot_target, serve, set_slider, sync_api  # noqa: E402,F401
 
 expect = sync_api.expect
 
@@ -58,18 +58,6 @@ def line_paths(page, plot: str) -> list[str]:
     return page.locator(f"#plot-{plot} .mark-line path").evaluate_all("paths => paths.map(p => p.getAttribute('d'))")
 
 
-def set_users(page, users: int) -> None:
-    box = page.get_by_role("spinbutton", name="number input for Synthetic users")
-    slider = page.get_by_role("slider", name="range slider for Synthetic users")
-    for _ in range(20):  # a slider that has just mounted may still take its initial value
-        box.fill(str(users))
-        box.press("Tab")
-        if int(float(slider.input_value())) == users:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the users slider stayed at {slider.input_value()}")
-
-
 def test_the_panel_shows_load_preemption_sharing_and_blocks_coming_back(browser, panel_app):
     client, load, url = panel_app
     profile = Browser(browser, url)
@@ -82,7 +70,7 @@ def test_the_panel_shows_load_preemption_sharing_and_blocks_coming_back(browser,
     expect(pool(page, "device")).to_have_attribute("data-free", str(DEVICE_BLOCKS))
     expect(page.locator("#panel-header [data-note=cpu]")).to_contain_text("lives in main memory")
 
-    set_users(page, 8)
+    set_slider(page, "Synthetic users", 8)
     page.locator("#load-start").click()
     expect(page.locator("#load-status [data-running=true]")).to_contain_text("8")
 

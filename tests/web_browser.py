@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,17 @@ def png_size(path: Path) -> tuple[int, int]:
     header = path.read_bytes()[:24]
     assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
     return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+
+
+def set_slider(page, label: str, value: float) -> None:
+    """Type `value` into a Gradio slider's number box and wait until the slider holds it (a
+    slider that has just mounted may still take its initial value)."""
+    box = page.get_by_role("spinbutton", name=f"number input for {label}")
+    slider = page.get_by_role("slider", name=f"range slider for {label}")
+    for _ in range(20):
+        box.fill(str(value))
+        box.press("Tab")
+        if float(slider.input_value()) == value:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{label} stayed at {slider.input_value()}")
