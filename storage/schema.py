@@ -53,6 +53,14 @@ def create_tables(db: Database) -> None:
     db["messages"].enable_fts(["content"], create_triggers=True, tokenize="porter")
 
 
+@migrations()
+def drop_conversation_model(db: Database) -> None:
+    """Version 2: conversations lose `model`, which the app never wrote."""
+    # In place (SQLite 3.35+), keeping rows, ids and FTS triggers: rebuilding the table
+    # (sqlite-utils' transform) drops the old one, and with foreign keys on that cascades to messages.
+    db.execute("alter table conversations drop column model")
+
+
 def migrate(db: Database, steps: Migrations = migrations) -> None:
     """Apply pending migrations in one write transaction, so that two processes opening the
     same file at once cannot both apply them."""

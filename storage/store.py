@@ -1,17 +1,64 @@
-"""`Store`: the chat app's storage, one object for all threads."""
+"""`Store`: the chat app's storage, one object for all threads.
+
+Every query names the user, so another user's conversation is indistinguishable from a missing
+one. Adding, replacing or deleting messages also bumps the conversation's `updated`, in the same
+transaction: a conversation is never seen with a message but a stale timestamp, or the reverse.
+"""
 from __future__ import annotations
 
 import os
 
-from .connections import StoreBase
-from .conversations import Conversations
-from .messages import Messages
-from .schema import migrate, schema_version
-from .search import Search
-from .users import Users
+from sqlite_utils import Database
+
+from . import validation
+from .database import Connections, now
+from .schema import migrate
 
 
-class Store(Users, Conversations, Messages, Search):
+class NotFound(KeyError):
+    """A user, conversation or message that does not exist *for this user*.
+
+    Another user's conversation reads exactly like a missing one: the message never says
+    whether the row exists elsewhere.
+    """
+
+    def __init__(self, what: str, key: object):
+        self.what = what
+        self.key = key
+        super().__init__(f"{what} {key!r} not found")
+
+    def __str__(self) -> str:  # KeyError would show the message in quotes
+        return self.args[0]
+
+
+# Full-text search: both tables carry an FTS5 index that triggers keep in step with every
+# insert, update and delete (cascades included).
+SEARCH_SQL = """
+with hits as (
+    select conversations.id as conversation_id, messages_fts.rank as rank,
+           snippet(messages_fts, 0, :open, :close, '…', :words) as snippet
+    from messages_fts
+    join messages on messages.id = messages_fts.rowid
+    join conversations on conversations.id = messages.conversation_id
+    where messages_fts match :query and conversations.user_id = :user_id
+    union all
+    select conversations.id, conversations_fts.rank,
+           snippet(conversations_fts, 0, :open, :close, '…', :words)
+    from conversations_fts
+    join conversations on conversations.id = conversations_fts.rowid
+    where conversations_fts match :query and conversations.user_id = :user_id
+),
+best as (  -- per conversation, the snippet of its best-ranked hit
+    select conversation_id, snippet, min(rank) as rank from hits group by conversation_id
+)
+select conversations.*, best.snippet
+from best join conversations on conversations.id = best.conversation_id
+order by best.rank, conversations.updated desc
+limit :limit
+"""
+
+
+class Store:
     """Users, conversations and messages in one SQLite file; every call names the user.
 
         store = Store()  # $PAGEDCHAT_DB, or ./data/pagedchat.db; Store(path) for another file
@@ -21,10 +68,172 @@ class Store(Users, Conversations, Messages, Search):
     """
 
     def __init__(self, path: str | os.PathLike | None = None):
-        StoreBase.__init__(self, path)
-        self.db.enable_wal()
+        self.connections = Connections(path)
+        self.path = self.connections.path
         migrate(self.db)
 
     @property
-    def schema_version(self) -> int:
-        return schema_version(self.db)
+    def db(self) -> Database:
+        """This thread's connection."""
+        return self.connections.db
+
+    def close(self) -> None:
+        """Close every thread's connection; the store cannot be used afterwards."""
+        self.connections.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- users: a row per person who signs in; everything else hangs off it -------------------
+
+    def ensure_user(self, user_id: str, name: str | None = None) -> dict:
+        """The user's row, created on first sight; a given name replaces the stored one."""
+        validation.user_id(user_id)
+        with self.connections.transaction() as db:
+            db["users"].insert({"id": user_id, "name": name, "created": now()}, ignore=True)
+            if name is not None:
+                db["users"].update(user_id, {"name": name})
+            return db["users"].get(user_id)
+
+    def delete_user(self, user_id: str) -> None:
+        """The user and, by cascade, all their conversations and messages."""
+        with self.connections.transaction() as db:
+            if db.execute("delete from users where id = ?", [user_id]).rowcount == 0:
+                raise NotFound("user", user_id)
+
+    # --- conversations --------------------------------------------------------------------------
+
+    def create_conversation(self, user_id: str, title: str = "New chat", system_prompt: str = "") -> dict:
+        """A new, empty conversation for the user (whose row is created if need be)."""
+        row = {"user_id": validation.user_id(user_id), "title": validation.title(title),
+               "system_prompt": validation.text(system_prompt, "system prompt")}
+        with self.connections.transaction() as db:
+            db["users"].insert({"id": user_id, "created": now()}, ignore=True)
+            stamp = now()
+            conversation_id = db["conversations"].insert({**row, "created": stamp, "updated": stamp}).last_pk
+            return db["conversations"].get(conversation_id)
+
+    def conversations(self, user_id: str, limit: int | None = None) -> list[dict]:
+        """The user's conversations, the most recently updated first."""
+        return list(self.db["conversations"].rows_where(
+            "user_id = ?", [user_id], order_by="updated desc, id desc", limit=limit))
+
+    def conversation(self, user_id: str, conversation_id: int) -> dict:
+        return owned_conversation(self.db, user_id, conversation_id)
+
+    def rename(self, user_id: str, conversation_id: int, title: str) -> dict:
+        return self._change(user_id, conversation_id, title=validation.title(title))
+
+    def set_system_prompt(self, user_id: str, conversation_id: int, system_prompt: str) -> dict:
+        return self._change(user_id, conversation_id,
+                            system_prompt=validation.text(system_prompt, "system prompt"))
+
+    def delete_conversation(self, user_id: str, conversation_id: int) -> None:
+        """The conversation and, by cascade, its messages."""
+        with self.connections.transaction() as db:
+            owned_conversation(db, user_id, conversation_id)
+            db["conversations"].delete(conversation_id)
+
+    def _change(self, user_id: str, conversation_id: int, **fields) -> dict:
+        with self.connections.transaction() as db:
+            owned_conversation(db, user_id, conversation_id)
+            db["conversations"].update(conversation_id, {**fields, "updated": now()})
+            return db["conversations"].get(conversation_id)
+
+    # --- messages, in order, with the engine's numbers for each reply --------------------------
+
+    def add_message(self, user_id: str, conversation_id: int, role: str, content: str,
+                    **metrics) -> dict:
+        """Append a message. Metrics: prompt_tokens, cached_tokens, completion_tokens, ttft_s,
+        tokens_per_s, finish_reason, stopped (a reply the user stopped: store the text they
+        saw; its finish_reason is "abort")."""
+        row = {"role": validation.role(role), "content": validation.content(content),
+               **validation.metrics(metrics)}
+        with self.connections.transaction() as db:
+            owned_conversation(db, user_id, conversation_id)
+            return self._append(db, conversation_id, row)
+
+    def messages(self, user_id: str, conversation_id: int) -> list[dict]:
+        """The conversation's messages, oldest first."""
+        with self.connections.reading() as db:
+            owned_conversation(db, user_id, conversation_id)
+            rows = db["messages"].rows_where("conversation_id = ?", [conversation_id], order_by="id")
+            return [_message(row) for row in rows]
+
+    def replace_last_assistant(self, user_id: str, conversation_id: int, content: str,
+                               **metrics) -> dict:
+        """Swap the conversation's final reply for a regenerated one, in one transaction."""
+        row = {"role": "assistant", "content": validation.content(content),
+               **validation.metrics(metrics)}
+        with self.connections.transaction() as db:
+            owned_conversation(db, user_id, conversation_id)
+            last = _last_message(db, conversation_id)
+            if last is None or last["role"] != "assistant":
+                raise NotFound("assistant reply at the end of conversation", conversation_id)
+            db["messages"].delete(last["id"])
+            return self._append(db, conversation_id, row)
+
+    def edit_last_user_message(self, user_id: str, conversation_id: int, content: str) -> dict:
+        """Replace the user's last message, dropping the reply that followed it, so that the
+        edited message can be sent again."""
+        row = {"role": "user", "content": validation.content(content), **validation.metrics({})}
+        with self.connections.transaction() as db:
+            owned_conversation(db, user_id, conversation_id)
+            last_user = _last_message(db, conversation_id, role="user")
+            if last_user is None:
+                raise NotFound("user message in conversation", conversation_id)
+            db.execute("delete from messages where conversation_id = ? and id >= ?",
+                       [conversation_id, last_user["id"]])
+            return self._append(db, conversation_id, row)
+
+    def _append(self, db: Database, conversation_id: int, row: dict) -> dict:
+        row = {**row, "conversation_id": conversation_id, "created": now()}
+        message_id = db["messages"].insert(row).last_pk
+        self._touch(db, conversation_id)
+        return _message(db["messages"].get(message_id))
+
+    def _touch(self, db: Database, conversation_id: int) -> None:
+        db["conversations"].update(conversation_id, {"updated": now()})
+
+    # --- search ---------------------------------------------------------------------------------
+
+    def search(self, user_id: str, query: str, limit: int = 20,
+               highlight: tuple[str, str] = ("[", "]")) -> list[dict]:
+        """The user's conversations matching every word of `query` in their messages or titles,
+        best match first, each with a `snippet` of the matching text, matched words wrapped in
+        `highlight`. "running" also finds "run"."""
+        if not query.strip():
+            return []
+        params = {"query": fts_words(query), "user_id": user_id, "limit": limit,
+                  "open": highlight[0], "close": highlight[1], "words": 12}
+        return list(self.db.query(SEARCH_SQL, params))
+
+
+def owned_conversation(db: Database, user_id: str, conversation_id: int) -> dict:
+    """The conversation if `user_id` owns it, else NotFound."""
+    rows = list(db["conversations"].rows_where("id = ? and user_id = ?", [conversation_id, user_id]))
+    if not rows:
+        raise NotFound("conversation", conversation_id)
+    return rows[0]
+
+
+def _message(row: dict) -> dict:
+    return {**row, "stopped": bool(row["stopped"])}
+
+
+def _last_message(db: Database, conversation_id: int, role: str | None = None) -> dict | None:
+    """The conversation's last message (of `role`, if given), or None."""
+    where, args = "conversation_id = ?", [conversation_id]
+    if role is not None:
+        where, args = where + " and role = ?", args + [role]
+    return next(db["messages"].rows_where(where, args, order_by="id desc", limit=1), None)
+
+
+def fts_words(query: str) -> str:
+    """Each whitespace-separated word as an FTS5 string (quotes doubled), so any text the user
+    types is a plain word search, never FTS syntax. (sqlite-utils' `quote_fts` keeps typed
+    "phrases" but fails on some input, such as `""`.)"""
+    return " ".join('"' + word.replace('"', '""') + '"' for word in query.split())

@@ -20,7 +20,7 @@ def store(tmp_path):
 @pytest.fixture
 def chat(store):
     """Ada's conversation with one exchange; Bob exists with a conversation of his own."""
-    c = store.create_conversation("ada", title="Paged attention", system_prompt="Be brief.", model="smollm2")
+    c = store.create_conversation("ada", title="Paged attention", system_prompt="Be brief.")
     store.add_message("ada", c["id"], "user", "How are KV blocks allocated?")
     store.add_message("ada", c["id"], "assistant", "From a free pool, one block at a time.",
                       prompt_tokens=12, cached_tokens=8, completion_tokens=9, ttft_s=0.05,
@@ -36,11 +36,11 @@ def count(store, table):
 # --- create, read, update, delete ---------------------------------------------------------
 
 def test_a_new_conversation_reads_back_as_created(store):
-    c = store.create_conversation("ada", title="  First  ", system_prompt="Be kind.", model="m")
+    c = store.create_conversation("ada", title="  First  ", system_prompt="Be kind.")
     assert store.conversation("ada", c["id"]) == c
-    assert (c["user_id"], c["title"], c["system_prompt"], c["model"]) == ("ada", "First", "Be kind.", "m")
+    assert (c["user_id"], c["title"], c["system_prompt"]) == ("ada", "First", "Be kind.")
     assert c["created"] == c["updated"]
-    assert store.user("ada")["id"] == "ada"  # created on first sight
+    assert store.db["users"].get("ada")["id"] == "ada"  # created on first sight
     assert store.messages("ada", c["id"]) == []
 
 
@@ -52,11 +52,10 @@ def test_users_are_ensured_once_and_renamed(store):
     assert count(store, "users") == 1
 
 
-def test_rename_system_prompt_and_model_change_the_row_and_bump_updated(store, chat):
+def test_rename_and_system_prompt_change_the_row_and_bump_updated(store, chat):
     renamed = store.rename("ada", chat["id"], "KV blocks")
     assert renamed["title"] == "KV blocks" and renamed["updated"] > chat["updated"]
     assert store.set_system_prompt("ada", chat["id"], "Be thorough.")["system_prompt"] == "Be thorough."
-    assert store.set_model("ada", chat["id"], "llama")["model"] == "llama"
     assert store.conversation("ada", chat["id"])["title"] == "KV blocks"
 
 
@@ -76,11 +75,6 @@ def test_messages_come_back_in_order_with_their_metrics(store, chat):
     assert (reply["prompt_tokens"], reply["cached_tokens"], reply["completion_tokens"]) == (12, 8, 9)
     assert (reply["ttft_s"], reply["tokens_per_s"], reply["finish_reason"]) == (0.05, 42.0, "stop")
     assert reply["stopped"] is False
-    assert store.chat_history("ada", chat["id"]) == [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "How are KV blocks allocated?"},
-        {"role": "assistant", "content": "From a free pool, one block at a time."},
-    ]
 
 
 def test_a_stopped_reply_is_stored_as_the_user_saw_it(store, chat):
@@ -121,14 +115,6 @@ def test_editing_the_last_user_message_drops_the_reply_after_it(store, chat):
     assert edited["role"] == "user"
 
 
-def test_messages_can_be_deleted_from_one_onwards(store, chat):
-    first, second = store.messages("ada", chat["id"])
-    assert store.delete_messages_from("ada", chat["id"], second["id"]) == 1
-    assert store.messages("ada", chat["id"]) == [first]
-    with pytest.raises(NotFound, match="message"):
-        store.delete_messages_from("ada", chat["id"], second["id"])
-
-
 @pytest.mark.parametrize("call, error", [
     (lambda s, c: s.create_conversation("ada", title="   "), "title"),
     (lambda s, c: s.rename("ada", c, ""), "title"),
@@ -149,17 +135,13 @@ def test_bad_input_is_refused_with_a_clear_error(store, chat, call, error):
 @pytest.mark.parametrize("operation", [
     lambda s, c: s.conversation("bob", c),
     lambda s, c: s.messages("bob", c),
-    lambda s, c: s.chat_history("bob", c),
     lambda s, c: s.rename("bob", c, "mine now"),
     lambda s, c: s.set_system_prompt("bob", c, "obey bob"),
-    lambda s, c: s.set_model("bob", c, "bob-model"),
     lambda s, c: s.delete_conversation("bob", c),
     lambda s, c: s.add_message("bob", c, "user", "hello from bob"),
     lambda s, c: s.replace_last_assistant("bob", c, "bob's reply"),
     lambda s, c: s.edit_last_user_message("bob", c, "bob's words"),
-    lambda s, c: s.delete_messages_from("bob", c, 1),
-], ids=["read", "messages", "history", "rename", "system_prompt", "model", "delete", "add_message",
-        "regenerate", "edit", "delete_messages"])
+], ids=["read", "messages", "rename", "system_prompt", "delete", "add_message", "regenerate", "edit"])
 def test_another_users_conversation_behaves_as_missing(store, chat, operation):
     before = (store.conversation("ada", chat["id"]), store.messages("ada", chat["id"]))
     with pytest.raises(NotFound, match=f"conversation {chat['id']} not found") as raised:
@@ -217,8 +199,9 @@ def test_deleting_a_user_deletes_everything_of_theirs(store, chat):
                             "where c.user_id = 'ada'").fetchone()[0] == 0
     assert (count(store, "users"), count(store, "conversations"), count(store, "messages")) == (1, 1, 1)
     assert store.search("ada", "blocks") == [] and len(store.search("bob", "blocks")) == 1
+    assert store.db["users"].count_where("id = 'ada'") == 0
     with pytest.raises(NotFound, match="user 'ada'"):
-        store.user("ada")
+        store.delete_user("ada")
 
 
 def test_foreign_keys_are_enforced_on_every_connection(store, chat):
@@ -250,7 +233,7 @@ def _in_thread(fn):
 
 def test_a_transaction_that_fails_midway_leaves_nothing_written(store, chat):
     with pytest.raises(RuntimeError):
-        with store.transaction():
+        with store.connections.transaction():
             store.add_message("ada", chat["id"], "user", "first half")
             store.rename("ada", chat["id"], "half renamed")
             raise RuntimeError("crash")
@@ -324,12 +307,12 @@ def test_an_empty_database_is_upgraded_and_reopening_changes_nothing(tmp_path):
     with Database(path) as db:
         assert storage.schema_version(db) == 0
     with Store(path) as s:
-        assert s.schema_version == 1
+        assert storage.schema_version(s.db) == 2
         c = s.create_conversation("ada", title="kept")
         s.add_message("ada", c["id"], "user", "still here")
     with Store(path) as s:
-        assert s.schema_version == 1
-        assert s.db.execute("select count(*) from _sqlite_migrations").fetchone()[0] == 1
+        assert storage.schema_version(s.db) == 2
+        assert s.db.execute("select count(*) from _sqlite_migrations").fetchone()[0] == 2
         assert [m["content"] for m in s.messages("ada", c["id"])] == ["still here"]
         assert [x["title"] for x in s.search("ada", "still")] == ["kept"]
 
@@ -340,6 +323,7 @@ def test_a_later_migration_upgrades_an_existing_database(tmp_path):
         c = s.create_conversation("ada", title="before v2")
     later = Migrations(storage.migrations.name)
     later()(storage.schema.create_tables)
+    later()(storage.schema.drop_conversation_model)
 
     @later()
     def add_pinned(db):
@@ -348,10 +332,43 @@ def test_a_later_migration_upgrades_an_existing_database(tmp_path):
     db = storage.connect(path)
     storage.migrate(db, later)
     storage.migrate(db, later)  # idempotent
-    assert storage.schema_version(db, later) == 2
+    assert storage.schema_version(db, later) == 3
     db.close()
     with Store(path) as s:
         assert s.conversation("ada", c["id"])["pinned"] == 0
+
+
+def test_a_version_1_database_loses_the_model_column_and_keeps_every_row(tmp_path):
+    path = tmp_path / "v1.db"
+    v1 = Migrations(storage.migrations.name)
+    v1()(storage.schema.create_tables)
+    db = storage.connect(path)
+    storage.migrate(db, v1)
+    db["users"].insert({"id": "ada", "name": "Ada", "created": "2024-05-01T00:00:00.000000+00:00"})
+    db["conversations"].insert({"id": 7, "user_id": "ada", "title": "Paged attention", "model": "smollm2",
+                                "created": "2024-05-01T00:00:01.000000+00:00",
+                                "updated": "2024-05-01T00:00:03.000000+00:00"})
+    for n, (role, content) in enumerate([("user", "How are KV blocks allocated?"),
+                                         ("assistant", "From a free pool.")], start=2):
+        db["messages"].insert({"conversation_id": 7, "role": role, "content": content,
+                               "created": f"2024-05-01T00:00:0{n}.000000+00:00"})
+    assert "model" in db["conversations"].columns_dict
+    before = {t: list(db[t].rows) for t in ("users", "conversations", "messages")}
+    db.close()
+
+    with Store(path) as s:
+        assert storage.schema_version(s.db) == 2
+        assert "model" not in s.db["conversations"].columns_dict
+        assert list(s.db["users"].rows) == before["users"]
+        assert list(s.db["messages"].rows) == before["messages"]
+        [old] = before["conversations"]
+        del old["model"]
+        assert s.conversations("ada") == [old]
+        assert [c["id"] for c in s.search("ada", "blocks")] == [7]      # the FTS triggers survive
+        assert [c["id"] for c in s.search("ada", "attention")] == [7]
+        s.add_message("ada", 7, "assistant", "And freed on finish.")
+        s.delete_conversation("ada", 7)                                  # the cascade survives
+        assert s.db["messages"].count == 0
 
 
 def test_a_closed_store_refuses_work(tmp_path):

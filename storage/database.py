@@ -13,6 +13,7 @@ import sqlite3
 import threading
 import weakref
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from sqlite_utils import Database
@@ -36,8 +37,8 @@ def connect(path: str | os.PathLike) -> Database:
     return db
 
 
-class StoreBase:
-    """The store's connections (one per thread) and its transactions."""
+class Connections:
+    """One database file in WAL mode: a connection per thread, and transactions on it."""
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path is not None else default_path()
@@ -46,6 +47,7 @@ class StoreBase:
         self._open: weakref.WeakSet[Database] = weakref.WeakSet()  # a finished thread's goes too
         self._lock = threading.Lock()
         self._closed = False
+        self.db.enable_wal()
 
     @property
     def db(self) -> Database:
@@ -76,7 +78,7 @@ class StoreBase:
             raise
 
     @contextlib.contextmanager
-    def _reading(self) -> Iterator[Database]:
+    def reading(self) -> Iterator[Database]:
         """Several reads from one snapshot of the database."""
         db = self.db
         if db.conn.in_transaction:
@@ -89,7 +91,7 @@ class StoreBase:
             db.rollback()
 
     def close(self) -> None:
-        """Close every thread's connection; the store cannot be used afterwards."""
+        """Close every thread's connection; none can be opened afterwards."""
         with self._lock:
             self._closed = True
             for db in list(self._open):
@@ -97,8 +99,16 @@ class StoreBase:
             self._open.clear()
         self._local = threading.local()
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+_clock_lock = threading.Lock()
+_last_stamp = datetime.min.replace(tzinfo=timezone.utc)
+
+
+def now() -> str:
+    """ISO 8601 in UTC, strictly increasing within the process: "newest first" is never a tie,
+    even for two writes in the same microsecond, and the text sorts as the time does."""
+    global _last_stamp
+    with _clock_lock:
+        moment = max(datetime.now(timezone.utc), _last_stamp + timedelta(microseconds=1))
+        _last_stamp = moment
+    return moment.isoformat(timespec="microseconds")
