@@ -19,7 +19,7 @@ chat: $(STAMP)
 	$(BIN)/python -m engine
 
 simulate: $(STAMP)
-	$(BIN)/python -m engine.simulate
+	$(BIN)/python -m engine.devtools.simulate
 
 # The browser tests drive Debian's chromium through Playwright; install it once, as root.
 CHROMIUM := /usr/bin/chromium

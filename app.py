@@ -15,7 +15,7 @@ import gradio as gr
 
 HUB_DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
-from engine.client import EngineClient
+from engine import EngineClient
 from storage import Store
 from ui.chat import build_chat
 from ui.load_generator import LoadGenerator
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.llm_engine import LLMEngine
+    from engine import LLMEngine
 
     args = parse_args(argv)
     engine = LLMEngine(args.model, args.device, num_gpu_blocks=args.num_gpu_blocks,

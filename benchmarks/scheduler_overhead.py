@@ -14,14 +14,14 @@ import statistics
 import time
 
 from engine import Request, SamplingParams, Scheduler, SchedulerConfig
-from engine.simulated_runner import SimulatedRunner
+from engine.devtools.simulated_runner import SimulatedRunner
 
 GOAL_MS = 1.0
 
 
-def build(num_requests: int, prompt_lens: list[int], num_gpu_blocks: int, caching: bool, mode: str,
+def build(num_requests: int, prompt_lens: list[int], num_device_blocks: int, caching: bool, mode: str,
           seed: int) -> tuple[Scheduler, SimulatedRunner]:
-    config = SchedulerConfig(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_gpu_blocks, block_size=16,
+    config = SchedulerConfig(num_device_blocks=num_device_blocks, num_host_blocks=num_device_blocks, block_size=16,
                              max_num_seqs=num_requests, max_num_batched_tokens=8192,
                              enable_prefix_caching=caching, preemption_mode=mode)
     scheduler = Scheduler(config)
@@ -65,9 +65,9 @@ def main() -> None:
     roomy = sum(-(-(n + args.steps + 128) // 16) for n in lens)  # + tokens decoded during prefill
     tight = sum(-(-(n + 96) // 16) for n in lens)  # fills up partway through the timed steps
     cases = [
-        ("decode, prefix caching on", dict(num_gpu_blocks=roomy, caching=True, mode="auto")),
-        ("decode, prefix caching off", dict(num_gpu_blocks=roomy, caching=False, mode="auto")),
-        ("decode under memory pressure (swap)", dict(num_gpu_blocks=tight, caching=True, mode="swap")),
+        ("decode, prefix caching on", dict(num_device_blocks=roomy, caching=True, mode="auto")),
+        ("decode, prefix caching off", dict(num_device_blocks=roomy, caching=False, mode="auto")),
+        ("decode under memory pressure (swap)", dict(num_device_blocks=tight, caching=True, mode="swap")),
     ]
     rows = {}
     print(f"{args.requests} running requests, prompts 1024-2048 tokens, {args.steps} timed steps each\n")

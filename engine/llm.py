@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import BlockMap, SchedulerStats
+from engine.core.sampling_params import SamplingParams
+from engine.core.block_map import BlockMap
+from engine.core.stats import SchedulerStats
 
 Prompt = str | Sequence[int]
 

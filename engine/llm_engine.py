@@ -9,39 +9,22 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import SchedulerConfig
-from engine.decode_graphs import BUCKETS
+from engine.core.config import SchedulerConfig
+from engine.worker.decode_graphs import BUCKETS
 from engine.detokenizer import IncrementalDetokenizer
-from engine.model_loader import DEFAULT_MODEL_NAME, load_hf_model
-from engine.model_runner import ModelRunner
-from engine.models.llama import LlamaModel
-from engine.outputs import Delta, Usage
-from engine.request import FinishReason, Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.worker.model_loader import DEFAULT_MODEL_NAME, load_hf_model
+from engine.worker.memory import num_device_blocks, num_host_blocks, resolve_device, resolve_dtype
+from engine.worker.model_runner import ModelRunner
+from engine.worker.models.llama import LlamaModel
+from engine.outputs import Delta, EngineInfo, Usage
+from engine.core.request import FinishReason, Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 import kernels
-from engine.stats import BlockMap, EngineInfo, SchedulerStats
+from engine.core.block_map import BlockMap
+from engine.core.stats import SchedulerStats
 
 log = logging.getLogger(__name__)
-GiB = 1 << 30
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """fp32 on the CPU, bf16 on a GPU, unless asked otherwise."""
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
-    return DTYPES[dtype]
 
 
 @dataclass
@@ -65,21 +48,22 @@ class LLMEngine:
         self.model = LlamaModel(hf_model, self.dtype, self.device)
         hf_config = hf_model.config
         del hf_model
+        # vLLM's option names (num_gpu_blocks, num_cpu_blocks) end here; inside, the pools are the
+        # device pool and the host pool (a CPU-only engine's "GPU" pool lives in main memory).
         block_bytes = self.model.kv_block_bytes(block_size)
-        if num_gpu_blocks is None:
-            num_gpu_blocks = self._device_blocks(block_bytes, gpu_memory_utilization, kv_cache_memory_gib)
-        if num_cpu_blocks is None:
-            num_cpu_blocks = int(swap_space * GiB) // block_bytes
-        model_limit = getattr(hf_config, "max_position_embeddings", None) or num_gpu_blocks * block_size
+        device_blocks = num_gpu_blocks if num_gpu_blocks is not None else num_device_blocks(
+            self.device, block_bytes, gpu_memory_utilization, kv_cache_memory_gib)
+        host_blocks = num_cpu_blocks if num_cpu_blocks is not None else num_host_blocks(block_bytes, swap_space)
+        model_limit = getattr(hf_config, "max_position_embeddings", None) or device_blocks * block_size
         window = getattr(hf_config, "sliding_window", None)
         if window and getattr(hf_config, "use_sliding_window", True):
             model_limit = min(model_limit, window)  # beyond the window the model attends differently
         if max_model_len is None:
-            max_model_len = min(model_limit, num_gpu_blocks * block_size)
+            max_model_len = min(model_limit, device_blocks * block_size)
         elif max_model_len > model_limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds what the model supports ({model_limit})")
         self.config = SchedulerConfig(
-            num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, block_size=block_size,
+            num_device_blocks=device_blocks, num_host_blocks=host_blocks, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode, watermark=watermark)
@@ -87,21 +71,9 @@ class LLMEngine:
         if cuda_graphs is None:  # on a GPU by default; elsewhere only asked for (the tests do)
             cuda_graphs = self.device.type == "cuda"
         graph_batch = min(max_num_seqs, BUCKETS[-1]) if cuda_graphs else 0
-        self.runner = ModelRunner(self.model, num_gpu_blocks, num_cpu_blocks, block_size, max_model_len, graph_batch)
+        self.runner = ModelRunner(self.model, device_blocks, host_blocks, block_size, max_model_len, graph_batch)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._samples: dict[str, _SampleState] = {}
-
-    def _device_blocks(self, block_bytes: int, utilization: float, cpu_gib: float) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Leave (1 - utilization) of the card, and room for activations, to everything else.
-            budget = total * utilization - (total - free) - 2 * GiB
-        else:
-            budget = cpu_gib * GiB
-        blocks = int(budget) // block_bytes
-        if blocks < 1:
-            raise ValueError(f"no room for the KV cache: a block needs {block_bytes} bytes, budget {int(budget)}")
-        return blocks
 
     # ---- requests -----------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -205,5 +177,5 @@ class LLMEngine:
     def info(self) -> EngineInfo:
         cache = self.runner.kv_cache
         return EngineInfo(model=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-                          block_size=self.config.block_size, num_gpu_blocks=self.config.num_gpu_blocks,
-                          num_cpu_blocks=self.config.num_cpu_blocks, kernels=kernels.backend(cache))
+                          block_size=self.config.block_size, num_device_blocks=self.config.num_device_blocks,
+                          num_host_blocks=self.config.num_host_blocks, kernels=kernels.backend(cache))

@@ -1,4 +1,5 @@
-"""What the engine hands back: streamed deltas, and whole outputs for the offline API."""
+"""What the engine hands back: streamed deltas, whole outputs for the offline API, and what the
+client reports of the engine (what it runs on, recent times to first token)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -58,3 +59,27 @@ class RequestOutput:
                 if delta.index == 0:
                     self.usage = delta.usage
         self.finished = all(o.finish_reason is not None for o in self.outputs)
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """When a request's first token arrived and how long it took from submission."""
+    request_id: str
+    timestamp: float  # time.time(), the clock of SchedulerStats.timestamp
+    ttft_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the engine runs on; fixed for its life."""
+    model: str
+    device: str      # "cuda:0", "cpu"
+    dtype: str       # "bfloat16", "float32"
+    block_size: int
+    num_device_blocks: int
+    num_host_blocks: int
+    kernels: str     # "triton" or "torch"
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.startswith("cpu")

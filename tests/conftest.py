@@ -18,7 +18,7 @@ def tokenizer():
     """SmolLM2-135M-Instruct's tokenizer (ChatML template, eos `<|im_end|>` = 2); from the folder
     $PAGEDCHAT_TOKENIZER when set (a machine without the embedded model, such as a lent GPU
     machine with no network, gets a saved copy of it)."""
-    from engine.model_loader import load_tokenizer
+    from engine.worker.model_loader import load_tokenizer
     folder = os.environ.get("PAGEDCHAT_TOKENIZER")
     if folder:
         from transformers import AutoTokenizer
@@ -47,7 +47,7 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def tiny_hf(tiny_model_dir):
-    from engine.model_loader import load_hf_model
+    from engine.worker.model_loader import load_hf_model
     return load_hf_model(tiny_model_dir)[0]
 
 
@@ -60,5 +60,5 @@ def smol_llm():
 
 @pytest.fixture(scope="session")
 def smol_hf():
-    from engine.model_loader import load_hf_model
+    from engine.worker.model_loader import load_hf_model
     return load_hf_model(None)[0]

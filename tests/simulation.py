@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from engine import Request, SamplingParams, Scheduler, SchedulerConfig
-from engine.invariants import check_invariants
-from engine.simulated_runner import SimulatedRunner, reference_generation, run_step
+from engine.devtools.invariants import check_invariants
+from engine.devtools.simulated_runner import SimulatedRunner, reference_generation, run_step
 
 VOCAB = 50
 EOS = 0

@@ -12,7 +12,7 @@ import pytest
 gr = pytest.importorskip("gradio")
 from gradio_client import Client  # noqa: E402
 
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine import SamplingParams  # noqa: E402
 
 MAX_TOKENS = 24
 

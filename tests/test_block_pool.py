@@ -1,6 +1,6 @@
 import pytest
 
-from engine.block_pool import BlockPool, DoubleFreeError, NoFreeBlocksError
+from engine.core.block_pool import BlockPool, DoubleFreeError, NoFreeBlocksError
 
 
 def test_allocate_until_empty_then_refuse():

@@ -7,7 +7,7 @@ import pytest
 from engine import SamplingParams
 from engine.client import EngineClient
 from engine.llm_engine import LLMEngine
-from engine.scheduler import PromptTooLongError
+from engine.core.scheduler import PromptTooLongError
 
 QUESTIONS = [f"Question {i}: tell me something about the number {i * 7}." for i in range(8)]
 
@@ -89,7 +89,7 @@ def test_usage_and_snapshots_while_streaming(client):
     block_map = client.block_map()
     used = [b for b in block_map.device if b.state.value == "used"]
     assert used and all(b.owners for b in used)
-    assert len(block_map.device) == client.engine.config.num_gpu_blocks
+    assert len(block_map.device) == client.engine.config.num_device_blocks
     final = list(stream)[-1]
     assert final.usage.cached_tokens >= 16 and final.usage.prompt_tokens > final.usage.cached_tokens
     assert 0 < final.usage.ttft_s <= final.usage.duration_s
@@ -106,7 +106,7 @@ def test_chat_messages_and_n_samples_through_the_client(client):
 def test_info_describes_the_engine(client):
     info = client.info()
     assert (info.device, info.dtype, info.kernels, info.on_cpu) == ("cpu", "float32", "torch", True)
-    assert (info.block_size, info.num_gpu_blocks, info.num_cpu_blocks) == (16, 96, 64)
+    assert (info.block_size, info.num_device_blocks, info.num_host_blocks) == (16, 96, 64)
 
 
 def test_first_tokens_are_recorded_once_per_request_with_their_wait(client):

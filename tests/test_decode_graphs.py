@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.decode_graphs import BUCKETS, DecodeGraphs, buckets_up_to
+from engine.worker.decode_graphs import BUCKETS, DecodeGraphs, buckets_up_to
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a land far away,",
            "1, 2, 3, 4,", "Water boils at", "Knock knock."]

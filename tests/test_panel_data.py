@@ -3,8 +3,8 @@ import dataclasses
 
 import pytest
 
-from engine.simulated_runner import run_step
-from engine.stats import BlockInfo, BlockMap, BlockState, SchedulerStats
+from engine.devtools.simulated_runner import run_step
+from engine import BlockInfo, BlockMap, BlockState, SchedulerStats
 from simulation import make, request, run
 from ui import block_grid
 from ui.block_grid import SHARED_COLOR, CACHED_COLOR, FREE_COLOR, block_cells, grid, owner_color, render_html, summary
@@ -128,7 +128,7 @@ def test_windowed_hit_rate_against_a_hand_computed_value():
 
 
 def test_history_from_a_real_scheduler_run():
-    sched, runner = make(num_gpu_blocks=12, num_cpu_blocks=32, preemption_mode="swap")
+    sched, runner = make(num_device_blocks=12, num_host_blocks=32, preemption_mode="swap")
     for i in range(3):
         sched.add_request(request(f"r{i}", [(i * 13 + k) % 40 + 5 for k in range(10)], max_tokens=20, ignore_eos=True))
     h = StatsHistory(capacity=10_000)
@@ -209,7 +209,7 @@ def test_aggregation_above_max_cells_keeps_the_totals():
 
 
 def test_grid_and_summary_from_a_real_scheduler():
-    sched, runner = make(num_gpu_blocks=16, num_cpu_blocks=8)
+    sched, runner = make(num_device_blocks=16, num_host_blocks=8)
     shared_prompt = list(range(5, 21))
     sched.add_request(request("x", shared_prompt + [30], max_tokens=6, ignore_eos=True, n=2))
     saw_shared = False

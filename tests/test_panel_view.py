@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from engine.stats import BlockInfo, BlockMap, BlockState, EngineInfo, FirstToken
+from engine import BlockInfo, BlockMap, BlockState, EngineInfo, FirstToken
 from test_panel_data import stats
 from ui import panel_view
 from ui.load_generator import LoadStatus

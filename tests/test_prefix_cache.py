@@ -1,6 +1,6 @@
 """Prefix caching through the scheduler: shared system prompts, later turns, LRU order."""
-from engine.block_hash import extend_block_hashes, hash_block
-from engine.stats import BlockState
+from engine.core.block_hash import extend_block_hashes, hash_block
+from engine.core.block_map import BlockState
 from simulation import make, request, run
 
 SYSTEM = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]  # three blocks of 4
@@ -15,7 +15,7 @@ def test_hash_chains_the_parent():
 
 
 def test_chats_sharing_a_system_prompt_hit_while_the_first_still_runs():
-    sched, runner = make(num_gpu_blocks=32)
+    sched, runner = make(num_device_blocks=32)
     sched.add_request(request("a", SYSTEM + [30, 31], max_tokens=20, ignore_eos=True))
     for _ in range(2):
         out = sched.schedule()
@@ -33,7 +33,7 @@ def test_chats_sharing_a_system_prompt_hit_while_the_first_still_runs():
 
 
 def test_new_chat_hits_the_system_prompt_after_the_first_finished():
-    sched, runner = make(num_gpu_blocks=32)
+    sched, runner = make(num_device_blocks=32)
     sched.add_request(request("a", SYSTEM + [30, 31], max_tokens=5, ignore_eos=True))
     run(sched, runner)
     sched.add_request(request("b", SYSTEM + [40], max_tokens=5, ignore_eos=True))
@@ -42,7 +42,7 @@ def test_new_chat_hits_the_system_prompt_after_the_first_finished():
 
 
 def test_turn_two_hits_turn_one():
-    sched, runner = make(num_gpu_blocks=32)
+    sched, runner = make(num_device_blocks=32)
     turn1 = request("t1", SYSTEM + [30, 31, 32], max_tokens=7, ignore_eos=True)
     sched.add_request(turn1)
     run(sched, runner)
@@ -54,7 +54,7 @@ def test_turn_two_hits_turn_one():
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token():
-    sched, runner = make(num_gpu_blocks=32)
+    sched, runner = make(num_device_blocks=32)
     sched.add_request(request("a", SYSTEM, max_tokens=3, ignore_eos=True))
     run(sched, runner)
     sched.add_request(request("b", SYSTEM, max_tokens=3, ignore_eos=True))
@@ -64,7 +64,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
 
 
 def test_caching_off_never_hits():
-    sched, runner = make(num_gpu_blocks=32, enable_prefix_caching=False)
+    sched, runner = make(num_device_blocks=32, enable_prefix_caching=False)
     for rid in ("a", "b"):
         sched.add_request(request(rid, SYSTEM + [1], max_tokens=3, ignore_eos=True))
         done = run(sched, runner)
@@ -74,7 +74,7 @@ def test_caching_off_never_hits():
 
 
 def test_free_queue_is_lru_with_tail_blocks_before_head_blocks():
-    sched, runner = make(num_gpu_blocks=16)
+    sched, runner = make(num_device_blocks=16)
     a = request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], max_tokens=1)
     sched.add_request(a)
     run(sched, runner)
@@ -101,7 +101,7 @@ def test_free_queue_is_lru_with_tail_blocks_before_head_blocks():
 
 
 def test_chats_arriving_together_compute_a_shared_system_prompt_once():
-    sched, runner = make(num_gpu_blocks=64, max_num_batched_tokens=256)
+    sched, runner = make(num_device_blocks=64, max_num_batched_tokens=256)
     for i in range(4):
         sched.add_request(request(f"c{i}", SYSTEM + [40 + i, 41 + i], max_tokens=3, ignore_eos=True))
     out = sched.schedule()
@@ -114,7 +114,7 @@ def test_chats_arriving_together_compute_a_shared_system_prompt_once():
 
 def test_a_long_shared_prompt_in_chunks_is_still_computed_once():
     long_system = list(range(5, 45))  # 10 blocks, prefilled in chunks of 8 tokens
-    sched, runner = make(num_gpu_blocks=64, max_num_batched_tokens=8)
+    sched, runner = make(num_device_blocks=64, max_num_batched_tokens=8)
     sched.add_request(request("a", long_system + [1], max_tokens=2, ignore_eos=True))
     sched.add_request(request("b", long_system + [2], max_tokens=2, ignore_eos=True))
     computed = {"a": 0, "b": 0}

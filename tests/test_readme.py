@@ -12,7 +12,7 @@ def test_readme_scheduler_example_runs():
 
 
 def test_simulation_demo_runs_and_reports(capsys):
-    from engine.simulate import main
+    from engine.devtools.simulate import main
     main(["--users", "6", "--gpu-blocks", "40", "--cpu-blocks", "16", "--max-tokens", "24", "--every", "1000"])
     printed = capsys.readouterr().out
     assert "prefix cache served" in printed and "every block read back checked" in printed

@@ -3,9 +3,9 @@ import random
 import pytest
 import torch
 
-from engine import sampler
-from engine.sampler import SamplingRow, make_generator, sample
-from engine.sampling_params import SamplingParams
+from engine.worker import sampler
+from engine.worker.sampler import SamplingRow, make_generator, sample
+from engine.core.sampling_params import SamplingParams
 
 hf = pytest.importorskip("transformers.generation.logits_process")
 

@@ -2,8 +2,8 @@
 import pytest
 
 from engine import FinishReason, PromptTooLongError, RequestStatus, SchedulerConfig
-from engine.invariants import check_invariants
-from engine.simulated_runner import run_step
+from engine.devtools.invariants import check_invariants
+from engine.devtools.simulated_runner import run_step
 from simulation import expected, make, request, run
 
 
@@ -12,7 +12,7 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def test_decodes_and_prefill_share_one_step_within_the_token_budget():
-    sched, runner = make(num_gpu_blocks=64, max_num_batched_tokens=10)
+    sched, runner = make(num_device_blocks=64, max_num_batched_tokens=10)
     sched.add_request(request("a", prompt(1, 6), max_tokens=4, ignore_eos=True))
     run_step(sched, runner)
     sched.add_request(request("b", prompt(2, 30), max_tokens=4, ignore_eos=True))
@@ -23,7 +23,7 @@ def test_decodes_and_prefill_share_one_step_within_the_token_budget():
 
 
 def test_chunked_prefill_catches_up_then_samples():
-    sched, runner = make(num_gpu_blocks=64, max_num_batched_tokens=16)
+    sched, runner = make(num_device_blocks=64, max_num_batched_tokens=16)
     sched.add_request(request("a", prompt(3, 40), max_tokens=2, ignore_eos=True))
     chunks = []
     done = run(sched, runner, on_step=lambda out: chunks.append(
@@ -33,7 +33,7 @@ def test_chunked_prefill_catches_up_then_samples():
 
 
 def test_max_num_seqs_caps_the_batch():
-    sched, runner = make(num_gpu_blocks=64, max_num_seqs=2)
+    sched, runner = make(num_device_blocks=64, max_num_seqs=2)
     for i in range(4):
         sched.add_request(request(f"r{i}", prompt(i, 3), max_tokens=3, ignore_eos=True))
     counts = []
@@ -49,7 +49,7 @@ def growing(sched, runner, n, length=6, max_tokens=24):
 
 
 def test_preemption_by_swap_in_a_tiny_pool():
-    sched, runner = make(num_gpu_blocks=12, num_cpu_blocks=32, preemption_mode="swap")
+    sched, runner = make(num_device_blocks=12, num_host_blocks=32, preemption_mode="swap")
     reqs = growing(sched, runner, 3)
     events = []
     done = run(sched, runner, on_step=lambda out: events.append(out))
@@ -63,7 +63,7 @@ def test_preemption_by_swap_in_a_tiny_pool():
 
 
 def test_preemption_by_recompute_gives_the_same_outputs():
-    sched, runner = make(num_gpu_blocks=12, preemption_mode="recompute")
+    sched, runner = make(num_device_blocks=12, preemption_mode="recompute")
     reqs = growing(sched, runner, 3)
     done = run(sched, runner)
     assert sched.num_preemptions_recompute > 0 and sched.num_preemptions_swap == 0
@@ -73,7 +73,7 @@ def test_preemption_by_recompute_gives_the_same_outputs():
 
 
 def test_recompute_victim_is_the_latest_arrival_and_goes_to_the_front():
-    sched, runner = make(num_gpu_blocks=12, preemption_mode="recompute")
+    sched, runner = make(num_device_blocks=12, preemption_mode="recompute")
     growing(sched, runner, 3)
     while True:
         out, _ = run_step(sched, runner)
@@ -87,7 +87,7 @@ def test_recompute_victim_is_the_latest_arrival_and_goes_to_the_front():
 
 
 def test_swapped_requests_resume_before_waiting_ones():
-    sched, runner = make(num_gpu_blocks=12, num_cpu_blocks=32, preemption_mode="swap", watermark=0.0)
+    sched, runner = make(num_device_blocks=12, num_host_blocks=32, preemption_mode="swap", watermark=0.0)
     growing(sched, runner, 3)
     log = []
 
@@ -106,7 +106,7 @@ def test_swapped_requests_resume_before_waiting_ones():
 
 
 def test_full_host_pool_falls_back_to_recompute():
-    sched, runner = make(num_gpu_blocks=12, num_cpu_blocks=2, preemption_mode="swap")
+    sched, runner = make(num_device_blocks=12, num_host_blocks=2, preemption_mode="swap")
     reqs = growing(sched, runner, 3)
     done = run(sched, runner)
     assert sched.num_preemptions_recompute > 0
@@ -116,7 +116,7 @@ def test_full_host_pool_falls_back_to_recompute():
 
 def test_auto_recomputes_a_victim_holding_little_of_its_own():
     system = prompt(5, 16)
-    sched, runner = make(num_gpu_blocks=17, num_cpu_blocks=32, preemption_mode="auto")
+    sched, runner = make(num_device_blocks=17, num_host_blocks=32, preemption_mode="auto")
     sched.add_request(request("big", prompt(1, 40), max_tokens=40, ignore_eos=True))
     sched.add_request(request("sys-a", system + [1], max_tokens=40, ignore_eos=True))
     run_step(sched, runner)
@@ -135,7 +135,7 @@ def test_auto_recomputes_a_victim_holding_little_of_its_own():
 
 
 def test_auto_swaps_a_victim_with_many_blocks_of_its_own():
-    sched, runner = make(num_gpu_blocks=12, num_cpu_blocks=32, preemption_mode="auto")
+    sched, runner = make(num_device_blocks=12, num_host_blocks=32, preemption_mode="auto")
     growing(sched, runner, 3)
     while True:
         out, _ = run_step(sched, runner)
@@ -145,7 +145,7 @@ def test_auto_swaps_a_victim_with_many_blocks_of_its_own():
 
 
 def test_swap_in_reuses_blocks_still_cached_on_the_device():
-    sched, runner = make(num_gpu_blocks=12, num_cpu_blocks=32, preemption_mode="swap")
+    sched, runner = make(num_device_blocks=12, num_host_blocks=32, preemption_mode="swap")
     reqs = growing(sched, runner, 3)
     swapped_out = swapped_in = 0
 
@@ -160,7 +160,7 @@ def test_swap_in_reuses_blocks_still_cached_on_the_device():
 
 
 def test_copy_on_write_for_forked_samples():
-    sched, runner = make(num_gpu_blocks=32)
+    sched, runner = make(num_device_blocks=32)
     sched.add_request(request("p", prompt(4, 6), max_tokens=5, n=3, ignore_eos=True))
     out, _ = run_step(sched, runner)
     assert out.scheduled[0].num_samples == 3
@@ -180,7 +180,7 @@ def test_copy_on_write_for_forked_samples():
 
 
 def test_no_copy_when_the_forked_prompt_ends_on_a_block_boundary():
-    sched, runner = make(num_gpu_blocks=32)
+    sched, runner = make(num_device_blocks=32)
     sched.add_request(request("p", prompt(4, 8), max_tokens=3, n=2, ignore_eos=True))
     copies = []
     run(sched, runner, on_step=lambda out: copies.extend(out.blocks_to_copy))
@@ -188,7 +188,7 @@ def test_no_copy_when_the_forked_prompt_ends_on_a_block_boundary():
 
 
 def test_prompt_that_can_never_fit_is_refused_without_blocking_the_queue():
-    sched, runner = make(num_gpu_blocks=8, max_model_len=20)
+    sched, runner = make(num_device_blocks=8, max_model_len=20)
     sched.add_request(request("ok", prompt(1, 5), max_tokens=3, ignore_eos=True))
     with pytest.raises(PromptTooLongError, match="21 tokens.*max_model_len=20"):
         sched.add_request(request("huge", prompt(2, 21)))
@@ -200,12 +200,12 @@ def test_prompt_that_can_never_fit_is_refused_without_blocking_the_queue():
 
 def test_max_model_len_beyond_the_device_pool_is_refused_at_configuration():
     with pytest.raises(ValueError, match="8 blocks x 4 tokens = 32 tokens"):
-        SchedulerConfig(num_gpu_blocks=8, block_size=4, max_model_len=33)
-    assert SchedulerConfig(num_gpu_blocks=8, block_size=4).max_model_len == 32
+        SchedulerConfig(num_device_blocks=8, block_size=4, max_model_len=33)
+    assert SchedulerConfig(num_device_blocks=8, block_size=4).max_model_len == 32
 
 
 def test_a_prompt_as_large_as_the_pool_runs_alone_despite_the_watermark():
-    sched, runner = make(num_gpu_blocks=8, watermark=0.25)
+    sched, runner = make(num_device_blocks=8, watermark=0.25)
     sched.add_request(request("whole", prompt(1, 32), max_tokens=5, ignore_eos=True))
     done = run(sched, runner)
     assert done["whole"].finish_reason is FinishReason.LENGTH and len(done["whole"].output_token_ids) == 1
@@ -213,7 +213,7 @@ def test_a_prompt_as_large_as_the_pool_runs_alone_despite_the_watermark():
 
 @pytest.mark.parametrize("watermark, admitted", [(0.25, False), (0.0, True)])
 def test_watermark_holds_back_admission_while_others_run(watermark, admitted):
-    sched, runner = make(num_gpu_blocks=20, watermark=watermark)  # 0.25: keep 5 blocks free
+    sched, runner = make(num_device_blocks=20, watermark=watermark)  # 0.25: keep 5 blocks free
     sched.add_request(request("a", prompt(1, 8), max_tokens=30, ignore_eos=True))
     run_step(sched, runner)
     run_step(sched, runner)  # a holds 3 blocks
@@ -225,7 +225,7 @@ def test_watermark_holds_back_admission_while_others_run(watermark, admitted):
 
 
 def test_finishing_on_stop_ids_max_tokens_and_max_model_len():
-    sched, runner = make(num_gpu_blocks=16, max_model_len=12)
+    sched, runner = make(num_device_blocks=16, max_model_len=12)
     p = prompt(7, 5)
     first = expected(request("x", p, max_tokens=1), 64)[0]
     sched.add_request(request("stop-id", p, max_tokens=9, ignore_eos=True, stop_token_ids=[first]))
@@ -244,7 +244,7 @@ def test_eos_stops_unless_ignored():
         reply = expected(request("x", p, max_tokens=300), 1024)
         if reply[-1] == 0 and len(reply) < 300:
             break
-    sched, runner = make(num_gpu_blocks=256)
+    sched, runner = make(num_device_blocks=256)
     sched.add_request(request("eos", p, max_tokens=300))
     sched.add_request(request("ignore", p, max_tokens=len(reply) + 3, ignore_eos=True))
     done = run(sched, runner)
@@ -254,7 +254,7 @@ def test_eos_stops_unless_ignored():
 
 
 def test_abort_in_every_state_returns_every_block():
-    sched, runner = make(num_gpu_blocks=12, num_cpu_blocks=32, preemption_mode="swap", max_num_seqs=4)
+    sched, runner = make(num_device_blocks=12, num_host_blocks=32, preemption_mode="swap", max_num_seqs=4)
     growing(sched, runner, 3)
     sched.add_request(request("forked", prompt(9, 6), max_tokens=30, n=2, ignore_eos=True))
     sched.add_request(request("waiting", prompt(8, 5), max_tokens=3))
@@ -275,7 +275,7 @@ def test_abort_in_every_state_returns_every_block():
 
 
 def test_aborting_a_forked_request_ends_all_its_samples():
-    sched, runner = make(num_gpu_blocks=32)
+    sched, runner = make(num_device_blocks=32)
     sched.add_request(request("p", prompt(4, 6), max_tokens=20, n=3, ignore_eos=True))
     run_step(sched, runner)
     assert {"p", "p#1", "p#2"} <= set(sched.requests)
@@ -284,7 +284,7 @@ def test_aborting_a_forked_request_ends_all_its_samples():
 
 
 def test_finish_request_ends_a_request_with_the_callers_reason():
-    sched, runner = make(num_gpu_blocks=32)
+    sched, runner = make(num_device_blocks=32)
     sched.add_request(request("a", prompt(4, 6), max_tokens=20, ignore_eos=True))
     run_step(sched, runner)
     req = sched.requests["a"]
@@ -293,7 +293,7 @@ def test_finish_request_ends_a_request_with_the_callers_reason():
 
 
 def test_stats_and_block_map_add_up():
-    sched, runner = make(num_gpu_blocks=12, num_cpu_blocks=8, preemption_mode="swap")
+    sched, runner = make(num_device_blocks=12, num_host_blocks=8, preemption_mode="swap")
     growing(sched, runner, 3)
     saw_swap = False
     while sched.has_unfinished():
@@ -316,7 +316,7 @@ def test_stats_and_block_map_add_up():
 
 
 def test_cumulative_counters_are_the_sums_of_the_per_step_values():
-    sched, runner = make(num_gpu_blocks=12, num_cpu_blocks=32, preemption_mode="swap")
+    sched, runner = make(num_device_blocks=12, num_host_blocks=32, preemption_mode="swap")
     growing(sched, runner, 3)
     steps = []
     run(sched, runner, on_step=lambda out: steps.append(sched.last_stats))

@@ -5,16 +5,16 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine import FinishReason, PromptTooLongError, Scheduler, SchedulerConfig
-from engine.invariants import check_invariants
-from engine.simulated_runner import SimulatedRunner, reference_generation, run_step
+from engine.devtools.invariants import check_invariants
+from engine.devtools.simulated_runner import SimulatedRunner, reference_generation, run_step
 from simulation import EOS, VOCAB, request
 
 PREFIXES = [[], [5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21], [30, 31, 32, 33, 34, 35, 36]]
 
 configs = st.builds(
     dict,
-    num_gpu_blocks=st.integers(3, 14),
-    num_cpu_blocks=st.sampled_from([0, 2, 6, 12, 24]),
+    num_device_blocks=st.integers(3, 14),
+    num_host_blocks=st.sampled_from([0, 2, 6, 12, 24]),
     block_size=st.sampled_from([1, 2, 4]),
     max_num_seqs=st.integers(1, 6),
     max_num_batched_tokens=st.integers(1, 24),

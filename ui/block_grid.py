@@ -1,6 +1,6 @@
 """Cell data for drawing the KV block pools as a grid of small squares.
 
-Works from the immutable `engine.stats.BlockMap` snapshot only. Each block is a cell with a
+Works from the immutable `engine.BlockMap` snapshot only. Each block is a cell with a
 state class ("free", "cached", "used", or "shared": used with ref_count > 1), a colour and a
 hover title. A pool with more blocks than `max_cells` is drawn with consecutive blocks merged
 into one cell, coloured by its most common state, whose title gives the counts per state.
@@ -13,7 +13,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass
 
-from engine.stats import BlockInfo, BlockMap, BlockState
+from engine import BlockInfo, BlockMap, BlockState
 
 STATES = ("free", "cached", "used", "shared")
 FREE_COLOR = "#e5e7eb"     # light grey

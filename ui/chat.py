@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import gradio as gr
 
-from engine.client import EngineClient
+from engine import EngineClient
 from storage import NotFound, Store
 from ui import identity, params, presets, render
 from ui.stream import ReplyStream, start_reply

@@ -23,8 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine.client import EngineClient
-from engine.sampling_params import SamplingParams
+from engine import EngineClient, SamplingParams
 
 log = logging.getLogger(__name__)
 

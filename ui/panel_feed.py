@@ -12,8 +12,7 @@ import dataclasses
 import threading
 import time
 
-from engine.client import EngineClient
-from engine.stats import BlockMap
+from engine import BlockMap, EngineClient
 from ui.panel_history import StatsHistory
 
 

@@ -10,7 +10,7 @@ needs a pandas DataFrame (a dict is taken as a component update), so pass rows t
 `to_frame` first, e.g. `gr.LinePlot(to_frame(h.throughput_rows()), x="t", y="tokens_per_s",
 color="series")`.
 
-Only the immutable snapshot type `engine.stats.SchedulerStats` is used.
+Only the immutable snapshot type `engine.SchedulerStats` is used.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from engine.stats import SchedulerStats
+from engine import SchedulerStats
 
 Row = dict[str, Any]
 

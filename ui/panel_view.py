@@ -9,7 +9,7 @@ import html
 import statistics
 from dataclasses import dataclass
 
-from engine.stats import BlockMap, EngineInfo, FirstToken
+from engine import BlockMap, EngineInfo, FirstToken
 from ui import block_grid
 from ui.load_generator import LoadStatus
 from ui.panel_history import Row, StatsHistory, to_frame
@@ -104,7 +104,7 @@ def header_html(history: StatsHistory, info: EngineInfo, first_tokens: tuple[Fir
             f"median TTFT (last {RECENT_TTFT}) {_metric('ttft', ttft)}",
         ]),
         html.escape(f"{info.model} on {info.device} ({info.dtype}, {info.kernels} kernels) · device pool "
-                    f"{info.num_gpu_blocks} blocks × {info.block_size} tokens · host pool {info.num_cpu_blocks} blocks"),
+                    f"{info.num_device_blocks} blocks × {info.block_size} tokens · host pool {info.num_host_blocks} blocks"),
     ]
     body = "".join(f"<div>{line}</div>" for line in lines)
     if info.on_cpu:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
+from engine import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
-from engine.client import EngineClient
-from engine.outputs import Delta, Usage
-from engine.sampling_params import SamplingParams
+from engine import Delta, EngineClient, SamplingParams, Usage
 
 
 class ReplyStream:

@@ -99,9 +99,6 @@ class BlockPool:
             block.block_hash = block_hash
             self._by_hash[block_hash] = block
 
-    def is_free(self, block_id: int) -> bool:
-        return self.blocks[block_id].ref_count == 0
-
     def free_queue_ids(self) -> tuple[list[int], list[int]]:
         """(plain free ids, cached free ids in eviction order): for snapshots and invariant checks."""
         return list(self._free_plain), list(self._free_cached)

@@ -1,4 +1,10 @@
-"""Scheduler and cache settings, with vLLM's names, checked once at construction."""
+"""Scheduler and cache settings, checked once at construction.
+
+Two pools, one vocabulary inside the engine: the *device* pool (where attention reads K/V: the
+GPU, or main memory on a CPU-only machine) and the *host* pool (main memory that preempted
+requests are swapped to). vLLM's option names for them, `num_gpu_blocks` and `num_cpu_blocks`,
+are kept only at the API edge (`LLM`, `LLMEngine`, the app's flags).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,8 +14,8 @@ PREEMPTION_MODES = ("swap", "recompute", "auto")
 
 @dataclass
 class SchedulerConfig:
-    num_gpu_blocks: int                 # device pool size in blocks
-    num_cpu_blocks: int = 0             # host (swap) pool size in blocks
+    num_device_blocks: int              # device pool size in blocks
+    num_host_blocks: int = 0            # host (swap) pool size in blocks
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -19,27 +25,27 @@ class SchedulerConfig:
     watermark: float = 0.01             # share of device blocks kept free when admitting work
 
     def __post_init__(self) -> None:
-        for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("num_device_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {self.num_cpu_blocks!r}")
+        if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be a non-negative integer, got {self.num_host_blocks!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (the kernels tile by it), got {self.block_size}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
-        capacity = self.num_gpu_blocks * self.block_size
+        capacity = self.num_device_blocks * self.block_size
         if self.max_model_len is None:
             self.max_model_len = capacity
         elif self.max_model_len < 1 or self.max_model_len > capacity:
             # One request alone must always be able to finish, or preemption could never help it.
             raise ValueError(
                 f"max_model_len={self.max_model_len} must be between 1 and what the device KV pool "
-                f"holds: {self.num_gpu_blocks} blocks x {self.block_size} tokens = {capacity} tokens")
+                f"holds: {self.num_device_blocks} blocks x {self.block_size} tokens = {capacity} tokens")
 
     @property
     def watermark_blocks(self) -> int:
-        return int(self.watermark * self.num_gpu_blocks)
+        return int(self.watermark * self.num_device_blocks)

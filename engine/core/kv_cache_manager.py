@@ -6,9 +6,9 @@ does): it hands back the (src, dst) block pairs to copy.
 """
 from __future__ import annotations
 
-from engine.block_hash import extend_block_hashes
-from engine.block_pool import Block, BlockPool, NoFreeBlocksError
-from engine.request import Request
+from engine.core.block_hash import extend_block_hashes
+from engine.core.block_pool import Block, BlockPool, NoFreeBlocksError
+from engine.core.request import Request
 
 
 _NONE: list[int] = []  # shared "no new blocks" result: never mutated
@@ -77,11 +77,6 @@ class KVCacheManager:
         request.num_computed_tokens = len(cached) * self.block_size
         new_ids, _ = self.allocate_slots(request, num_new_tokens)
         return new_ids
-
-    def num_blocks_to_grow(self, request: Request, num_new_tokens: int) -> int:
-        """Free device blocks needed to hold `num_new_tokens` more tokens, copy-on-write included."""
-        need = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(request.block_ids)
-        return need + self._needs_copy_on_write(request)
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> tuple[list[int], tuple[int, int] | None]:
         """Grow the request's block table to hold `num_new_tokens` more tokens. Returns the new

@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 _arrivals = itertools.count()
 

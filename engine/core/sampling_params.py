@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.checks import require
+
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0
@@ -26,21 +28,21 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop_token_ids = list(self.stop_token_ids)
-        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
-        _check(_is_number(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
+        require(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        require(_is_number(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
                f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature!r}")
-        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+        require(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        require(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
                f"top_k must be -1 (disabled) or at least 1, got {self.top_k!r}")
-        _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+        require(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+        require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                f"max_tokens must be an integer of at least 1, got {self.max_tokens!r}")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        require(self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}")
+        require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty, got {self.stop!r}")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+        require(all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty, got {self.stop!r}")
+        require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
@@ -50,8 +52,3 @@ class SamplingParams:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # x == x rules out NaN
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)

@@ -35,12 +35,13 @@ from bisect import insort
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from engine.block_pool import BlockPool, NoFreeBlocksError
-from engine.config import SchedulerConfig
-from engine.kv_cache import KVCacheManager
-from engine.request import FinishReason, Request, RequestStatus
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.stats import BlockInfo, BlockMap, BlockState, SchedulerStats
+from engine.core.block_map import BlockMap, snapshot_block_map
+from engine.core.block_pool import NoFreeBlocksError
+from engine.core.config import SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import FinishReason, Request, RequestStatus
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.stats import SchedulerStats, snapshot_stats
 
 
 class PromptTooLongError(ValueError):
@@ -54,7 +55,7 @@ def _priority(request: Request) -> tuple[int, int]:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv = KVCacheManager(config.num_gpu_blocks, config.num_cpu_blocks, config.block_size,
+        self.kv = KVCacheManager(config.num_device_blocks, config.num_host_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # earliest arrival first
@@ -67,7 +68,7 @@ class Scheduler:
         self.total_generated_tokens = 0
         self.total_blocks_swapped_out = 0
         self.total_blocks_swapped_in = 0
-        self.last_stats: SchedulerStats = self._stats(SchedulerOutput())
+        self.last_stats: SchedulerStats = snapshot_stats(self, SchedulerOutput())
         self._finished_ids: list[str] = []
 
     # ---- requests in and out ------------------------------------------------------------
@@ -79,7 +80,7 @@ class Scheduler:
         if n > limit:
             raise PromptTooLongError(
                 f"the prompt has {n} tokens, more than max_model_len={limit} "
-                f"(the device KV pool holds {self.config.num_gpu_blocks * self.config.block_size} tokens)")
+                f"(the device KV pool holds {self.config.num_device_blocks * self.config.block_size} tokens)")
         if request.request_id in self.requests:
             raise ValueError(f"a request with id {request.request_id!r} is already running")
         request.status = RequestStatus.WAITING
@@ -205,7 +206,7 @@ class Scheduler:
         self.total_generated_tokens += out.num_decode_tokens
         self.total_blocks_swapped_out += len(out.blocks_to_swap_out)
         self.total_blocks_swapped_in += len(out.blocks_to_swap_in)
-        self.last_stats = self._stats(out)  # the state after the step
+        self.last_stats = snapshot_stats(self, out)  # the state after the step
         return finished
 
     # ---- helpers ------------------------------------------------------------------------
@@ -314,48 +315,7 @@ class Scheduler:
     # ---- snapshots ----------------------------------------------------------------------
     def current_stats(self) -> SchedulerStats:
         """Stats of the present state, with nothing scheduled: for between steps (after an abort)."""
-        return self._stats(SchedulerOutput())
-
-    def _stats(self, out: SchedulerOutput) -> SchedulerStats:
-        kv = self.kv
-        return SchedulerStats(
-            step=self.num_steps, timestamp=time.time(),
-            device_blocks_total=kv.device.num_blocks, device_blocks_used=kv.device.num_used,
-            device_blocks_cached=kv.device.num_cached_free,
-            host_blocks_total=kv.host.num_blocks, host_blocks_used=kv.host.num_used,
-            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
-            num_preemptions_swap=self.num_preemptions_swap,
-            num_preemptions_recompute=self.num_preemptions_recompute,
-            blocks_swapped_out=len(out.blocks_to_swap_out), blocks_swapped_in=len(out.blocks_to_swap_in),
-            blocks_copied=len(out.blocks_to_copy),
-            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
-            num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
-            total_prompt_tokens=self.total_prompt_tokens, total_generated_tokens=self.total_generated_tokens,
-            total_blocks_swapped_out=self.total_blocks_swapped_out,
-            total_blocks_swapped_in=self.total_blocks_swapped_in)
+        return snapshot_stats(self, SchedulerOutput())
 
     def block_map(self) -> BlockMap:
-        """Every device and host block with its state, ref count and owning request ids."""
-        device_owners: dict[int, list[str]] = {}
-        host_owners: dict[int, list[str]] = {}
-        for request in self.requests.values():
-            for block_id in request.block_ids:
-                device_owners.setdefault(block_id, []).append(request.request_id)
-            for block_id in request.host_block_ids:
-                host_owners.setdefault(block_id, []).append(request.request_id)
-        return BlockMap(self.config.block_size, _block_infos(self.kv.device, device_owners),
-                        _block_infos(self.kv.host, host_owners))
-
-
-def _block_infos(pool: BlockPool, owners: dict[int, list[str]]) -> tuple[BlockInfo, ...]:
-    infos = []
-    for block in pool.blocks:
-        if block.ref_count:
-            state = BlockState.USED
-        elif block.block_hash is not None:
-            state = BlockState.CACHED
-        else:
-            state = BlockState.FREE
-        infos.append(BlockInfo(block.block_id, state, block.ref_count, block.num_tokens, block.block_hash,
-                               tuple(owners.get(block.block_id, ()))))
-    return tuple(infos)
+        return snapshot_block_map(self.kv.device, self.kv.host, self.requests.values())

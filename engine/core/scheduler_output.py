@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 @dataclass(slots=True)
@@ -34,7 +34,3 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)

@@ -1,11 +1,14 @@
-"""Immutable snapshots of the engine's memory and queues, for the live panel and the API.
-
-The engine thread builds them; other threads only read them.
-"""
+"""The scheduler's counters as an immutable snapshot, taken after every step, for the live
+panel and the API. The engine thread builds them; other threads only read them."""
 from __future__ import annotations
 
-import enum
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.core.scheduler import Scheduler
+    from engine.core.scheduler_output import SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,48 +47,21 @@ class SchedulerStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-class BlockState(str, enum.Enum):
-    FREE = "free"      # holds nothing reusable
-    CACHED = "cached"  # free, but still findable by hash until evicted
-    USED = "used"      # referenced by at least one request (shared when ref_count > 1)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockInfo:
-    block_id: int
-    state: BlockState
-    ref_count: int
-    num_tokens: int
-    block_hash: int | None
-    owners: tuple[str, ...]  # request ids whose block tables hold it
-
-
-@dataclass(frozen=True, slots=True)
-class BlockMap:
-    block_size: int
-    device: tuple[BlockInfo, ...]
-    host: tuple[BlockInfo, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class FirstToken:
-    """When a request's first token arrived and how long it took from submission."""
-    request_id: str
-    timestamp: float  # time.time(), the clock of SchedulerStats.timestamp
-    ttft_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo:
-    """What the engine runs on; fixed for its life."""
-    model: str
-    device: str      # "cuda:0", "cpu"
-    dtype: str       # "bfloat16", "float32"
-    block_size: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    kernels: str     # "triton" or "torch"
-
-    @property
-    def on_cpu(self) -> bool:
-        return self.device.startswith("cpu")
+def snapshot_stats(scheduler: Scheduler, out: SchedulerOutput) -> SchedulerStats:
+    """The scheduler's state after the step that produced `out` (an empty output between steps)."""
+    kv = scheduler.kv
+    return SchedulerStats(
+        step=scheduler.num_steps, timestamp=time.time(),
+        device_blocks_total=kv.device.num_blocks, device_blocks_used=kv.device.num_used,
+        device_blocks_cached=kv.device.num_cached_free,
+        host_blocks_total=kv.host.num_blocks, host_blocks_used=kv.host.num_used,
+        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), num_swapped=len(scheduler.swapped),
+        num_preemptions_swap=scheduler.num_preemptions_swap,
+        num_preemptions_recompute=scheduler.num_preemptions_recompute,
+        blocks_swapped_out=len(out.blocks_to_swap_out), blocks_swapped_in=len(out.blocks_to_swap_in),
+        blocks_copied=len(out.blocks_to_copy),
+        prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+        num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
+        total_prompt_tokens=scheduler.total_prompt_tokens, total_generated_tokens=scheduler.total_generated_tokens,
+        total_blocks_swapped_out=scheduler.total_blocks_swapped_out,
+        total_blocks_swapped_in=scheduler.total_blocks_swapped_in)

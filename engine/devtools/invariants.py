@@ -6,16 +6,16 @@ step of a production loop.
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 
-from engine.block_pool import BlockPool
-from engine.kv_cache import cdiv
-from engine.request import RequestStatus
-from engine.scheduler import Scheduler
+from engine.core.block_pool import BlockPool
+from engine.core.checks import require
+from engine.core.kv_cache_manager import cdiv
+from engine.core.request import RequestStatus
+from engine.core.scheduler import Scheduler
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise AssertionError(message)
+_check = partial(require, error=AssertionError)
 
 
 def check_invariants(scheduler: Scheduler) -> None:

@@ -1,4 +1,4 @@
-"""Watch the scheduler and the KV cache at work, no model needed: `python -m engine.simulate`.
+"""Watch the scheduler and the KV cache at work, no model needed: `python -m engine.devtools.simulate`.
 
 Simulated users chat in two turns over a shared system prompt with a small device pool, so
 prefix-cache hits, continuous batching and preemption all show up within a few hundred steps.
@@ -10,11 +10,11 @@ import argparse
 import random
 import time
 
-from engine.config import PREEMPTION_MODES, SchedulerConfig
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.simulated_runner import SimulatedRunner, run_step
+from engine.core.config import PREEMPTION_MODES, SchedulerConfig
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.devtools.simulated_runner import SimulatedRunner, run_step
 
 COLUMNS = ("step", "run", "wait", "swap", "dev used", "dev cached", "host used", "pre swap", "pre recomp",
            "out/in", "hit rate", "prefill", "decode")
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     rng = random.Random(args.seed)
-    config = SchedulerConfig(num_gpu_blocks=args.gpu_blocks, num_cpu_blocks=args.cpu_blocks,
+    config = SchedulerConfig(num_device_blocks=args.gpu_blocks, num_host_blocks=args.cpu_blocks,
                              block_size=args.block_size, max_num_batched_tokens=512,
                              preemption_mode=args.preemption_mode)
     scheduler = Scheduler(config)

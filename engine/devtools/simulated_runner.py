@@ -5,7 +5,7 @@ that each scheduled request reads back exactly its own earlier tokens through it
 (so a wrong prefix hit, a lost swap or a missing copy-on-write fails loudly), and samples the
 next token as a pure function of the sequence so far. Outputs therefore do not depend on how
 requests were batched, preempted or cached: runs under memory pressure must equal runs without.
-Used by the tests, the scheduler benchmark and `python -m engine.simulate`.
+Used by the tests, the scheduler benchmark and `python -m engine.devtools.simulate`.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from engine.config import SchedulerConfig
-from engine.scheduler_output import SchedulerOutput
+from engine.core.config import SchedulerConfig
+from engine.core.scheduler_output import SchedulerOutput
 
 
 class KVMismatchError(AssertionError):
@@ -47,8 +47,8 @@ class SimulatedRunner:
         self.block_size = config.block_size
         self.vocab_size = vocab_size
         self.verify = verify
-        self.device = np.full((config.num_gpu_blocks, config.block_size), -1, dtype=np.int64)
-        self.host = np.full((max(config.num_cpu_blocks, 1), config.block_size), -1, dtype=np.int64)
+        self.device = np.full((config.num_device_blocks, config.block_size), -1, dtype=np.int64)
+        self.host = np.full((max(config.num_host_blocks, 1), config.block_size), -1, dtype=np.int64)
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         for src, dst in out.blocks_to_swap_out:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import kernels
-from engine.models.llama import AttentionMetadata, LlamaModel
+from engine.worker.models.llama import AttentionMetadata, LlamaModel
 
 log = logging.getLogger(__name__)
 

@@ -10,32 +10,32 @@ from __future__ import annotations
 import torch
 
 import kernels
-from engine.decode_graphs import DecodeGraphs
-from engine.models.llama import AttentionMetadata, LlamaModel
-from engine.sampler import SamplingRow, make_generator, sample
-from engine.scheduler_output import SchedulerOutput
+from engine.worker.decode_graphs import DecodeGraphs
+from engine.worker.models.llama import AttentionMetadata, LlamaModel
+from engine.worker.sampler import SamplingRow, make_generator, sample
+from engine.core.scheduler_output import SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+    def __init__(self, model: LlamaModel, num_device_blocks: int, num_host_blocks: int, block_size: int,
                  max_model_len: int | None = None, decode_graph_batch: int = 0) -> None:
         """`decode_graph_batch` > 0: decode batches up to that size run through DecodeGraphs
         (captured CUDA graphs on a GPU; the same padded path, eagerly, elsewhere)."""
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        self.kv_cache = torch.zeros(model.kv_cache_shape(num_gpu_blocks, block_size), dtype=model.dtype,
+        self.kv_cache = torch.zeros(model.kv_cache_shape(num_device_blocks, block_size), dtype=model.dtype,
                                     device=self.device)
         # No position reaches max_model_len (the scheduler ends a request there, and it never
         # exceeds the pool): the rotary table is sized once and never moves (a CUDA graph holds
         # its address).
-        max_model_len = max_model_len or num_gpu_blocks * block_size
+        max_model_len = max_model_len or num_device_blocks * block_size
         model.ensure_rope(max_model_len)
         self.graphs = None
         if decode_graph_batch > 0:
             self.graphs = DecodeGraphs(model, self.kv_cache, decode_graph_batch, -(-max_model_len // block_size))
         pin = self.device.type == "cuda"
-        self.host_cache = torch.zeros(model.kv_cache_shape(max(num_cpu_blocks, 0), block_size),
+        self.host_cache = torch.zeros(model.kv_cache_shape(max(num_host_blocks, 0), block_size),
                                       dtype=model.dtype, pin_memory=pin)
         self._generators: dict[str, torch.Generator | None] = {}
         # Per request sampled this step (when its params ask for logprobs): for each sample, the

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 # Top-p looks for a row's nucleus among its largest logits, in windows of these sizes before the
 # whole row: sorting all of a 50k vocabulary costs far more on a CPU than a top-k of a few hundred.

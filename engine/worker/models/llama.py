@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from engine.models.linear import Linear
+from engine.worker.models.linear import Linear
 
 
 @dataclass
