@@ -18,9 +18,9 @@ HUB_DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 from engine import EngineClient
 from storage import Store
 from ui.chat import build_chat
-from ui.load_generator import LoadGenerator
-from ui.panel import build_panel
-from ui.panel_feed import PanelFeed
+from ui.panel.load_generator import LoadGenerator
+from ui.panel.page import build_panel
+from ui.panel.feed import PanelFeed
 
 
 def build_app(client: EngineClient, store: Store, feed: PanelFeed | None = None,

@@ -9,7 +9,7 @@ import pytest
 from engine.client import EngineClient
 from engine.llm_engine import LLMEngine
 from engine.outputs import Delta
-from ui.load_generator import LOAD_SYSTEM_PROMPT, MAX_TOKENS_LIMIT, MAX_USERS, LoadGenerator, LoadStatus
+from ui.panel.load_generator import LOAD_SYSTEM_PROMPT, MAX_TOKENS_LIMIT, MAX_USERS, LoadGenerator, LoadStatus
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ def panel_app(tiny_model_dir, tmp_path_factory):
     from engine.client import EngineClient
     from engine.llm_engine import LLMEngine
     from storage import Store
-    from ui.load_generator import LoadGenerator
-    from ui.panel_feed import PanelFeed
+    from ui.panel.load_generator import LoadGenerator
+    from ui.panel.feed import PanelFeed
 
     client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=DEVICE_BLOCKS, num_cpu_blocks=HOST_BLOCKS))
     feed, load = PanelFeed(client, interval_s=0.5), LoadGenerator(client)
@@ -112,8 +112,8 @@ def test_screenshot_of_the_panel_under_load(browser, tmp_path):
     from engine.client import EngineClient
     from engine.llm_engine import LLMEngine
     from storage import Store
-    from ui.load_generator import LoadGenerator
-    from ui.panel_feed import PanelFeed
+    from ui.panel.load_generator import LoadGenerator
+    from ui.panel.feed import PanelFeed
 
     target = screenshot_target("panel.png", tmp_path)
     client = EngineClient(LLMEngine(None, num_gpu_blocks=96, num_cpu_blocks=256))

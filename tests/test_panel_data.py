@@ -1,4 +1,4 @@
-"""The live panel's data layer: the stats history (ui/panel_history.py) and block grid (ui/block_grid.py)."""
+"""The live panel's data layer: the stats history (ui/panel/history.py) and block grid (ui/panel/block_grid.py)."""
 import dataclasses
 
 import pytest
@@ -6,9 +6,9 @@ import pytest
 from engine.devtools.simulated_runner import run_step
 from engine import BlockInfo, BlockMap, BlockState, SchedulerStats
 from simulation import make, request, run
-from ui import block_grid
-from ui.block_grid import SHARED_COLOR, CACHED_COLOR, FREE_COLOR, block_cells, grid, owner_color, render_html, summary
-from ui.panel_history import StatsHistory, to_frame
+from ui.panel import block_grid
+from ui.panel.block_grid import SHARED_COLOR, CACHED_COLOR, FREE_COLOR, block_cells, owner_color, render_html, summary_of
+from ui.panel.history import StatsHistory, to_frame
 
 
 def stats(t: float, **fields) -> SchedulerStats:
@@ -158,8 +158,8 @@ def sample_map() -> BlockMap:
 
 
 def test_cell_states_colours_and_titles():
-    cells = grid(sample_map())
-    device = cells["device"]
+    bm = sample_map()
+    device = block_cells(bm.device)
     assert [c.state for c in device] == ["free", "cached", "used", "shared", "used", "used"]
     assert device[0].color == FREE_COLOR and device[1].color == CACHED_COLOR and device[3].color == SHARED_COLOR
     assert device[2].color == device[5].color == owner_color("a")  # same owner, same colour
@@ -172,7 +172,7 @@ def test_cell_states_colours_and_titles():
     assert "block 3" in t and "refs 2" in t and "owners a, b" in t and "tokens 4" in t and "hash 00000000" in t
     assert "hash abcdef01" in device[1].title and "hash ffffffff" in device[2].title
     assert "hash" not in device[0].title and "owners" not in device[0].title
-    assert [c.state for c in cells["host"]] == ["used", "free"]
+    assert [c.state for c in block_cells(bm.host)] == ["used", "free"]
     assert all(c.num_blocks == 1 and sum(n for _, n in c.counts) == 1 for c in device)
 
 
@@ -185,9 +185,9 @@ def test_owner_colour_is_stable_and_never_the_shared_orange():
 
 
 def test_summary_adds_up_to_the_pool_sizes():
-    s = summary(sample_map())
-    assert s["device"] == {"free": 1, "cached": 1, "used": 3, "shared": 1, "total": 6}
-    assert s["host"] == {"free": 1, "cached": 0, "used": 1, "shared": 0, "total": 2}
+    bm = sample_map()
+    assert summary_of(bm.device) == {"free": 1, "cached": 1, "used": 3, "shared": 1, "total": 6}
+    assert summary_of(bm.host) == {"free": 1, "cached": 0, "used": 1, "shared": 0, "total": 2}
 
 
 def test_aggregation_above_max_cells_keeps_the_totals():
@@ -196,19 +196,19 @@ def test_aggregation_above_max_cells_keeps_the_totals():
                    info(i, BlockState.CACHED, num_tokens=4, block_hash=i) if i % 3 == 1 else
                    info(i, BlockState.FREE) for i in range(n))
     bm = BlockMap(16, device, ())
-    cells = grid(bm)["device"]
+    cells = block_cells(bm.device)
     assert len(cells) <= 2048 and sum(c.num_blocks for c in cells) == n
     totals = {s: sum(dict(c.counts)[s] for c in cells) for s in block_grid.STATES}
-    assert totals == {k: v for k, v in summary(bm)["device"].items() if k != "total"}
+    assert totals == {k: v for k, v in summary_of(bm.device).items() if k != "total"}
     first = cells[0]  # blocks 0-4: used, cached, free, used, cached -> a tie of used and cached
     assert first.num_blocks == 5 and first.state == "used" and first.color == owner_color("r0")
     assert first.title == "blocks 0-4: free 1, cached 2, used 2"
     assert all(sum(n for _, n in c.counts) == c.num_blocks for c in cells)
     assert len(block_cells(device, max_cells=7)) <= 7
-    assert len(grid(bm, max_cells=n)["device"]) == n
+    assert len(block_cells(bm.device, max_cells=n)) == n
 
 
-def test_grid_and_summary_from_a_real_scheduler():
+def test_cells_and_summary_from_a_real_scheduler():
     sched, runner = make(num_device_blocks=16, num_host_blocks=8)
     shared_prompt = list(range(5, 21))
     sched.add_request(request("x", shared_prompt + [30], max_tokens=6, ignore_eos=True, n=2))
@@ -216,12 +216,12 @@ def test_grid_and_summary_from_a_real_scheduler():
     while sched.has_unfinished():
         run_step(sched, runner)
         bm, st = sched.block_map(), sched.last_stats
-        s = summary(bm)
-        assert sum(s["device"][k] for k in block_grid.STATES) == s["device"]["total"] == 16
-        assert s["device"]["used"] + s["device"]["shared"] == st.device_blocks_used
-        assert s["device"]["cached"] == st.device_blocks_cached
-        saw_shared |= s["device"]["shared"] > 0
-        cells = grid(bm)["device"]
+        s = summary_of(bm.device)
+        assert sum(s[k] for k in block_grid.STATES) == s["total"] == 16
+        assert s["used"] + s["shared"] == st.device_blocks_used
+        assert s["cached"] == st.device_blocks_cached
+        saw_shared |= s["shared"] > 0
+        cells = block_cells(bm.device)
         colours = {c.color for c in cells if c.state == "used"}
         assert colours <= {owner_color("x")}  # one request and its forked sample: one colour
     assert saw_shared
@@ -230,7 +230,7 @@ def test_grid_and_summary_from_a_real_scheduler():
 def test_html_escapes_hostile_request_ids():
     evil = '<img src=x onerror=alert(1)>'
     bm = BlockMap(4, (info(0, BlockState.USED, 1, [evil], 4), info(1, BlockState.USED, 2, [evil, '"q"'], 4)), ())
-    cells = grid(bm)["device"]
+    cells = block_cells(bm.device)
     out = render_html(cells, columns=2)
     assert "<img" not in out and "&lt;img src=x onerror=alert(1)&gt;" in out
     assert '"q"' not in out and "&quot;q&quot;" in out

@@ -1,4 +1,4 @@
-"""What the live panel draws (ui/panel_view.py) and the shared feed behind it (ui/panel_feed.py),
+"""What the live panel draws (ui/panel/view.py) and the shared feed behind it (ui/panel/feed.py),
 without a browser."""
 import re
 import threading
@@ -8,10 +8,10 @@ import pytest
 
 from engine import BlockInfo, BlockMap, BlockState, EngineInfo, FirstToken
 from test_panel_data import stats
-from ui import panel_view
-from ui.load_generator import LoadStatus
-from ui.panel_feed import PanelFeed
-from ui.panel_history import StatsHistory
+from ui.panel import view as panel_view
+from ui.panel.load_generator import LoadStatus
+from ui.panel.feed import PanelFeed
+from ui.panel.history import StatsHistory
 
 CPU = EngineInfo("SmolLM2 <b>", "cpu", "float32", 16, 100, 50, "torch")
 GPU = EngineInfo("SmolLM2", "cuda:0", "bfloat16", 16, 100, 50, "triton")
@@ -59,7 +59,7 @@ def test_frames_have_each_plots_columns_series_and_span():
 
 
 def test_every_series_has_a_fixed_colour():
-    from ui.panel import COLORS
+    from ui.panel.page import COLORS
     h = history(*(stats(float(t), total_generated_tokens=t, prefix_cache_queries=t, prefix_cache_hits=t)
                   for t in range(5)))
     frames = panel_view.plot_frames(h, (FirstToken("a/1", 4.0, 0.1),))

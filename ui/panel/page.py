@@ -1,14 +1,15 @@
 """The live engine panel page: figures, plots and the block map refreshed about once a second,
 and the load generator's controls. Everything it shows comes through the engine client's
-snapshots (via the shared PanelFeed); ui/panel_view.py turns them into what is drawn.
+snapshots (via the shared PanelFeed); ui/panel/view.py turns them into what is drawn.
 """
 from __future__ import annotations
 
 import gradio as gr
 
-from ui import panel_view, presets
-from ui.load_generator import LOAD_SYSTEM_PROMPT, MAX_USERS, LoadGenerator
-from ui.panel_feed import PanelFeed
+from ui import presets
+from ui.panel import view as panel_view
+from ui.panel.load_generator import LOAD_SYSTEM_PROMPT, MAX_USERS, LoadGenerator
+from ui.panel.feed import PanelFeed
 
 LOAD_PROMPTS = {"Long shared prompt (~300 tokens)": LOAD_SYSTEM_PROMPT,
                 **{name: text for name, text in presets.PRESETS.items() if text}}

@@ -13,7 +13,7 @@ import threading
 import time
 
 from engine import BlockMap, EngineClient
-from ui.panel_history import StatsHistory
+from ui.panel.history import StatsHistory
 
 
 class PanelFeed:

@@ -13,7 +13,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass
 
-from engine import BlockInfo, BlockMap, BlockState
+from engine import BlockInfo, BlockState
 
 STATES = ("free", "cached", "used", "shared")
 FREE_COLOR = "#e5e7eb"     # light grey
@@ -101,20 +101,10 @@ def block_cells(blocks: tuple[BlockInfo, ...] | list[BlockInfo], max_cells: int 
     return cells
 
 
-def grid(block_map: BlockMap, max_cells: int = 2048) -> dict[str, list[Cell]]:
-    """Cells for both pools: {'device': [...], 'host': [...]} (max_cells applies per pool)."""
-    return {"device": block_cells(block_map.device, max_cells), "host": block_cells(block_map.host, max_cells)}
-
-
 def summary_of(blocks: tuple[BlockInfo, ...] | list[BlockInfo]) -> dict[str, int]:
     """Blocks per state, plus 'total'; the states add up to the total."""
     tally = Counter(state_of(b) for b in blocks)
     return {s: tally.get(s, 0) for s in STATES} | {"total": len(blocks)}
-
-
-def summary(block_map: BlockMap) -> dict[str, dict[str, int]]:
-    """summary_of for each pool: {'device': {...}, 'host': {...}}."""
-    return {"device": summary_of(block_map.device), "host": summary_of(block_map.host)}
 
 
 def render_html(cells: list[Cell], columns: int = 64, size_px: int = 8) -> str:

@@ -10,9 +10,9 @@ import statistics
 from dataclasses import dataclass
 
 from engine import BlockMap, EngineInfo, FirstToken
-from ui import block_grid
-from ui.load_generator import LoadStatus
-from ui.panel_history import Row, StatsHistory, to_frame
+from ui.panel import block_grid
+from ui.panel.load_generator import LoadStatus
+from ui.panel.history import Row, StatsHistory, to_frame
 
 PLOT_SPAN_S = 120.0
 RECENT_TTFT = 20  # the header's TTFT is the median of this many latest first tokens
