@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
 
 
 def stream_reply(engine: LLMEngine, request_id: str, prompt: str, params: SamplingParams) -> str:

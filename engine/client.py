@@ -18,11 +18,11 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import Delta, EngineInfo, FirstToken
 from engine.core.block_map import BlockMap
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
+from engine.llm_engine import LLMEngine
+from engine.outputs import Delta, EngineInfo, FirstToken
 
 log = logging.getLogger(__name__)
 _DONE = object()

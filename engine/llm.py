@@ -4,11 +4,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from engine.core.block_map import BlockMap
+from engine.core.sampling_params import SamplingParams
+from engine.core.stats import SchedulerStats
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.core.sampling_params import SamplingParams
-from engine.core.block_map import BlockMap
-from engine.core.stats import SchedulerStats
 
 Prompt = str | Sequence[int]
 

@@ -1,4 +1,4 @@
-"""The engine core: one object that owns the model, the scheduler and the cache, and turns
+"""The engine: one object that owns the model, the scheduler and the cache, and turns
 `step()` calls into streamed text. Single-threaded: the client runs it on its own thread."""
 from __future__ import annotations
 
@@ -9,20 +9,20 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
+from engine.core.block_map import BlockMap
 from engine.core.config import SchedulerConfig
-from engine.worker.decode_graphs import BUCKETS
-from engine.detokenizer import IncrementalDetokenizer
-from engine.worker.model_loader import DEFAULT_MODEL_NAME, load_hf_model
-from engine.worker.memory import num_device_blocks, num_host_blocks, resolve_device, resolve_dtype
-from engine.worker.model_runner import ModelRunner
-from engine.worker.models.llama import LlamaModel
-from engine.outputs import Delta, EngineInfo, Usage
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-import kernels
-from engine.core.block_map import BlockMap
 from engine.core.stats import SchedulerStats
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import Delta, EngineInfo, Usage
+from engine.worker.decode_graphs import BUCKETS
+from engine.worker.memory import num_device_blocks, num_host_blocks, resolve_device, resolve_dtype
+from engine.worker.model_loader import DEFAULT_MODEL_NAME, load_hf_model
+from engine.worker.model_runner import ModelRunner
+from engine.worker.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,6 @@ from engine.core.block_hash import extend_block_hashes
 from engine.core.block_pool import Block, BlockPool, NoFreeBlocksError
 from engine.core.request import Request
 
-
 _NONE: list[int] = []  # shared "no new blocks" result: never mutated
 
 

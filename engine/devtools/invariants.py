@@ -14,7 +14,6 @@ from engine.core.kv_cache_manager import cdiv
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
 
-
 _check = partial(require, error=AssertionError)
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 import kernels
+from engine.core.scheduler_output import SchedulerOutput
 from engine.worker.decode_graphs import DecodeGraphs
 from engine.worker.models.llama import AttentionMetadata, LlamaModel
 from engine.worker.sampler import SamplingRow, make_generator, sample
-from engine.core.scheduler_output import SchedulerOutput
 
 
 class ModelRunner:
