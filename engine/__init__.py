@@ -12,7 +12,7 @@ from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import PromptTooLongError, Scheduler
 from engine.core.stats import SchedulerStats
-from engine.outputs import CompletionOutput, Delta, EngineInfo, FirstToken, RequestOutput, Usage
+from engine.outputs import CompletionOutput, Delta, EngineInfo, FirstToken, RequestOutput, Usage, decode_rate
 
 # The model-facing API pulls in torch and transformers: imported only when asked for.
 _LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineClient": "engine.client"}
@@ -27,4 +27,4 @@ def __getattr__(name: str):
 
 __all__ = ["BlockInfo", "BlockMap", "BlockState", "CompletionOutput", "Delta", "EngineClient", "EngineInfo",
            "FinishReason", "FirstToken", "LLM", "LLMEngine", "PromptTooLongError", "Request", "RequestOutput",
-           "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerStats", "Usage"]
+           "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerStats", "Usage", "decode_rate"]

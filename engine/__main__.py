@@ -23,8 +23,8 @@ def stream_reply(engine: LLMEngine, request_id: str, prompt: str, params: Sampli
             text.append(delta.text)
             if delta.usage:
                 u = delta.usage
-                rate = (u.completion_tokens - 1) / max(u.duration_s - u.ttft_s, 1e-9)
-                print(f"\n[{u.completion_tokens} tokens, first after {u.ttft_s:.2f} s, {rate:.1f} tokens/s; "
+                rate = f"{u.decode_tokens_per_s or 0:.1f} tokens/s"
+                print(f"\n[{u.completion_tokens} tokens, first after {u.ttft_s:.2f} s, {rate}; "
                       f"{u.cached_tokens} of {u.prompt_tokens} prompt tokens from the prefix cache; "
                       f"finish: {delta.finish_reason}]", file=sys.stderr)
     return "".join(text)

@@ -13,6 +13,16 @@ class Usage:
     ttft_s: float            # arrival to first token
     duration_s: float        # arrival to finish
 
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        return decode_rate(self.completion_tokens, self.duration_s - self.ttft_s)
+
+
+def decode_rate(tokens: int, decode_seconds: float) -> float | None:
+    """Tokens per second after the first one (whose wait is the TTFT, not decoding); None when
+    there is nothing to measure."""
+    return (tokens - 1) / decode_seconds if tokens > 1 and decode_seconds > 0 else None
+
 
 @dataclass(frozen=True, slots=True)
 class Delta:

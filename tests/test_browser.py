@@ -17,6 +17,7 @@ from web_browser import Browser, browser, png_size, screenshot_target, serve, se
 expect = sync_api.expect
 
 DONE = "prompt tokens cached"  # the metrics line under a finished reply
+REPLY_TIMEOUT_MS = 60_000
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,8 @@ def bubbles(page, who: str):
 def wait_for_reply(page, replies: int) -> None:
     """Until the chat shows `replies` assistant messages, the last one finished."""
     expect(bubbles(page, "bot")).to_have_count(replies)
-    expect(bubbles(page, "bot").last).to_contain_text(DONE)
+    # A real-model reply of 96 tokens takes several seconds on a 2-core CPU: more than expect's 5 s.
+    expect(bubbles(page, "bot").last).to_contain_text(DONE, timeout=REPLY_TIMEOUT_MS)
 
 
 def chat_once(page, text: str, replies: int = 1) -> None:

@@ -1,114 +1,58 @@
-"""The chat page: conversation sidebar, chat view with streaming replies, system prompt and
-sampling parameters. Handlers are named after their events; every Store call names the user.
+"""The chat page (Gradio): the layout, top to bottom, and small handlers named after their
+events. Each handler resolves the user, asks the `ChatController` (the page's logic, no Gradio)
+and shows its `ChatInputError`s as Gradio errors.
 
 The user id travels as a hidden input filled from the browser's storage on load (an API caller
 passes it explicitly); `identity.resolve_user` checks it, or takes the Space's OAuth profile.
 """
 from __future__ import annotations
 
-import logging
 import os
-import threading
-from contextlib import closing
 from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
 
 import gradio as gr
 
 from engine import EngineClient
-from storage import NotFound, Store
-from ui import identity, params, presets, render
-from ui.stream import ReplyStream, start_reply
+from storage import Store
+from ui import identity, params, presets
+from ui.conversation import ChatController, ChatInputError, ChatView
 
-log = logging.getLogger(__name__)
-
-TITLE_CHARS = 48
 # A fixed key and secret keep the browser's id readable across server restarts; the id is
 # the browser's own, so the encryption only guards against casual reading of localStorage.
 BROWSER_KEY = "pagedchat-user"
 BROWSER_SECRET = os.environ.get("PAGEDCHAT_BROWSER_SECRET", "pagedchat-browser-state")
 
 
+@contextmanager
+def shown_to_user() -> Iterator[None]:
+    """A `ChatInputError` becomes a `gr.Error`: the page shows its text in a toast."""
+    try:
+        yield
+    except ChatInputError as error:
+        raise gr.Error(str(error)) from None
+
+
+def relay(views: Iterator[ChatView], outputs: Callable[[ChatView], tuple]) -> Iterator[tuple]:
+    """The controller's views as an event's outputs. Stop cancels the event and Gradio closes
+    this generator; closing the controller's at once aborts the engine request and stores the
+    partial reply as stopped."""
+    with closing(views):
+        for view in views:
+            yield outputs(view)
+
+
+def chat_and_id(view: ChatView) -> tuple:
+    """The outputs of Regenerate and Resend: the chatbot and the conversation id."""
+    return view.messages, view.conversation_id
+
+
 def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
     """The chat page around one engine client and one store."""
-
-    # ---- helpers shared by the handlers -----------------------------------------------------
-    def conversation_choices(user: str, query: str = "") -> list[tuple[str, int]]:
-        if query.strip():
-            return [(f"{c['title']} — {c['snippet']}", c["id"]) for c in store.search(user, query)]
-        return [(c["title"], c["id"]) for c in store.conversations(user)]
+    chat = ChatController(client, store)
 
     def conversation_list(user: str, selected: int | None, query: str = "") -> gr.Radio:
-        return gr.Radio(choices=conversation_choices(user, query), value=selected)
-
-    def stored_messages(user: str, conversation_id: int | None) -> list[dict]:
-        return store.messages(user, conversation_id) if conversation_id else []
-
-    def prompt_of(system: str, rows: list[dict]) -> list[dict]:
-        head = [{"role": "system", "content": system}] if system.strip() else []
-        return head + [{"role": m["role"], "content": m["content"]} for m in rows]
-
-    # Stop cancels the streaming event; its generator then stores the partial reply on its own
-    # thread. The view is redrawn from the store once that is done (see `on_stopped`).
-    streams_ending: dict[int, threading.Event] = {}
-
-    def stream_reply(reply: ReplyStream, shown: list[dict], conversation_id: int,
-                     save: Callable[[str, dict], dict | None]) -> Iterator[tuple]:
-        """Show the reply as it grows, then store it with its numbers. Closing this generator
-        (the Stop button cancels the event) aborts the engine request and stores the partial
-        reply as stopped."""
-        completed = False
-        ended = streams_ending[conversation_id] = threading.Event()
-        try:
-            for _ in reply:
-                live = {"role": "assistant", "content": reply.text or "…"}
-                yield shown + [render.chat_message(live)], conversation_id
-            completed = True
-        finally:
-            reply.close()
-            if not completed:
-                try:
-                    if reply.text.strip():
-                        save(reply.text, {**reply.metrics(), "finish_reason": "abort", "stopped": True})
-                except Exception:  # never mask the close; the reply is lost, the app goes on
-                    log.exception("could not store a stopped reply")
-            ended.set()
-            if completed and streams_ending.get(conversation_id) is ended:
-                del streams_ending[conversation_id]
-        if reply.finish_reason == "error" or (reply.finish_reason == "abort" and not reply.text):
-            problem = reply.error or "the engine ended this reply early"
-            if reply.text.strip():
-                save(reply.text, reply.metrics())
-            yield shown + [render.error_message(f"The engine could not finish this reply: {problem}. "
-                                                "Try again or start a new chat.")], conversation_id
-            return
-        if not reply.text.strip():
-            yield shown + [render.error_message("The model returned an empty reply.")], conversation_id
-            return
-        metrics = reply.metrics()
-        if reply.finish_reason == "abort":
-            metrics.update(finish_reason="abort", stopped=True)
-        row = save(reply.text, metrics)
-        yield shown + [render.chat_message(row)], conversation_id
-
-    def begin_reply(system: str, rows: list[dict], sampling,
-                    conversation_id: int | None) -> tuple[ReplyStream | None, list[dict]]:
-        """Submit the conversation so far: (the reply, the view), or (None, the view ending in
-        the refusal) when the engine will not take it."""
-        shown = render.chat_messages(rows)
-        try:
-            return start_reply(client, prompt_of(system, rows), sampling, conversation_id), shown
-        except ValueError as error:
-            return None, shown + [render.error_message(refused(error))]
-
-    def checked_params(temperature: float, top_p: float, max_tokens: float):
-        try:
-            return params.sampling_params(temperature, top_p, max_tokens)
-        except ValueError as error:
-            raise gr.Error(str(error)) from None
-
-    def refused(error: ValueError) -> str:
-        return (f"This conversation is too long for the model's memory ({error}). "
-                "Start a new chat or send a shorter message.")
+        return gr.Radio(choices=chat.conversation_choices(user, query), value=selected)
 
     # ---- handlers ---------------------------------------------------------------------------
     def on_load(stored_id: str | None, profile: gr.OAuthProfile | None = None):
@@ -120,91 +64,34 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
                 temperature: float, top_p: float, max_tokens: float,
                 profile: gr.OAuthProfile | None = None) -> Iterator[tuple]:
         user = identity.resolve_user(user_id, profile)
-        text = (message or "").strip()
-        if not text:
-            raise gr.Error("Type a message first.")
-        sampling = checked_params(temperature, top_p, max_tokens)
-        system = presets.system_prompt(preset, custom)
-        reply, shown = begin_reply(system, stored_messages(user, conversation_id) + [{"role": "user", "content": text}],
-                                   sampling, conversation_id)
-        if reply is None:
-            yield shown, conversation_id, message
-            return
-        if conversation_id is None:
-            conversation_id = store.create_conversation(user, title=text[:TITLE_CHARS], system_prompt=system)["id"]
-        elif store.conversation(user, conversation_id)["system_prompt"] != system:
-            store.set_system_prompt(user, conversation_id, system)
-        store.add_message(user, conversation_id, "user", text)
-        yield shown, conversation_id, ""
-
-        def save(content: str, metrics: dict) -> dict:
-            return store.add_message(user, conversation_id, "assistant", content, **metrics)
-
-        # closing() so that Stop, which closes this generator, also closes the inner one now.
-        with closing(stream_reply(reply, shown, conversation_id, save)) as views:
-            for view, cid in views:
-                yield view, cid, ""
+        with shown_to_user():
+            views = chat.send(user, conversation_id, message, presets.system_prompt(preset, custom),
+                              (temperature, top_p, max_tokens))
+        # A refused message stays in the box, to be shortened.
+        yield from relay(views, lambda view: (*chat_and_id(view), message if view.refused else ""))
 
     def on_regenerate(user_id: str, conversation_id: int | None, temperature: float, top_p: float,
                       max_tokens: float, profile: gr.OAuthProfile | None = None) -> Iterator[tuple]:
         user = identity.resolve_user(user_id, profile)
-        rows = stored_messages(user, conversation_id)
-        if not rows:
-            raise gr.Error("Nothing to regenerate yet.")
-        replacing = rows[-1]["role"] == "assistant"
-        rows = rows[:-1] if replacing else rows
-        sampling = checked_params(temperature, top_p, max_tokens)
-        reply, shown = begin_reply(store.conversation(user, conversation_id)["system_prompt"], rows, sampling,
-                                   conversation_id)
-        if reply is None:
-            yield shown, conversation_id
-            return
-
-        def save(content: str, metrics: dict) -> dict:
-            if replacing:
-                return store.replace_last_assistant(user, conversation_id, content, **metrics)
-            return store.add_message(user, conversation_id, "assistant", content, **metrics)
-
-        yield from stream_reply(reply, shown, conversation_id, save)
+        with shown_to_user():
+            views = chat.regenerate(user, conversation_id, (temperature, top_p, max_tokens))
+        yield from relay(views, chat_and_id)
 
     def on_edit(user_id: str, conversation_id: int | None, edited: str, temperature: float, top_p: float,
                 max_tokens: float, profile: gr.OAuthProfile | None = None) -> Iterator[tuple]:
         user = identity.resolve_user(user_id, profile)
-        text = (edited or "").strip()
-        rows = stored_messages(user, conversation_id)
-        last_user = max((i for i, m in enumerate(rows) if m["role"] == "user"), default=None)
-        if not text or last_user is None:
-            raise gr.Error("There is no sent message to edit, or the edit is empty.")
-        sampling = checked_params(temperature, top_p, max_tokens)
-        rows = rows[:last_user] + [{"role": "user", "content": text}]
-        reply, shown = begin_reply(store.conversation(user, conversation_id)["system_prompt"], rows, sampling,
-                                   conversation_id)
-        if reply is None:
-            yield shown, conversation_id
-            return
-        store.edit_last_user_message(user, conversation_id, text)
-        yield shown, conversation_id
-
-        def save(content: str, metrics: dict) -> dict:
-            return store.add_message(user, conversation_id, "assistant", content, **metrics)
-
-        yield from stream_reply(reply, shown, conversation_id, save)
+        with shown_to_user():
+            views = chat.edit_last(user, conversation_id, edited, (temperature, top_p, max_tokens))
+        yield from relay(views, chat_and_id)
 
     def on_turn_end(user_id: str, conversation_id: int | None, query: str,
                     profile: gr.OAuthProfile | None = None):
         user = identity.resolve_user(user_id, profile)
-        rows = stored_messages(user, conversation_id)
-        last_user = next((m["content"] for m in reversed(rows) if m["role"] == "user"), "")
-        return conversation_list(user, conversation_id, query), last_user
+        return conversation_list(user, conversation_id, query), chat.last_user_message(user, conversation_id)
 
     def on_stopped(user_id: str, conversation_id: int | None, profile: gr.OAuthProfile | None = None):
-        """After Stop: wait (briefly) for the cancelled stream to store what was shown, then
-        redraw the chat from the store, so the reply carries its "stopped" mark."""
-        user = identity.resolve_user(user_id, profile)
-        ending = streams_ending.get(conversation_id) if conversation_id is not None else None
-        if ending is not None:
-            ending.wait(timeout=5.0)
-        return render.chat_messages(stored_messages(user, conversation_id))
+        """After Stop: the chat redrawn from the store once the stopped reply is in it."""
+        return chat.after_stop(identity.resolve_user(user_id, profile), conversation_id)
 
     def on_new_chat():
         return [], None, "", "", gr.Radio(value=None)
@@ -213,14 +100,9 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
         user = identity.resolve_user(user_id, profile)
         if selected is None:
             return [], None, gr.Dropdown(), gr.Textbox(), "", ""
-        try:
-            conversation = store.conversation(user, selected)
-        except NotFound:
-            raise gr.Error("That conversation no longer exists.") from None
-        rows = store.messages(user, selected)
-        preset, custom = presets.preset_for(conversation["system_prompt"])
-        last_user = next((m["content"] for m in reversed(rows) if m["role"] == "user"), "")
-        return render.chat_messages(rows), selected, preset, custom, conversation["title"], last_user
+        with shown_to_user():
+            opened = chat.open_chat(user, selected)
+        return opened.messages, selected, opened.preset, opened.custom, opened.title, opened.last_user_message
 
     def on_search(user_id: str, query: str, conversation_id: int | None,
                   profile: gr.OAuthProfile | None = None):
@@ -229,21 +111,19 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
     def on_rename(user_id: str, conversation_id: int | None, title: str, query: str,
                   profile: gr.OAuthProfile | None = None):
         user = identity.resolve_user(user_id, profile)
-        if conversation_id is None or not (title or "").strip():
-            raise gr.Error("Open a chat and type its new title first.")
-        store.rename(user, conversation_id, title)
+        with shown_to_user():
+            chat.rename(user, conversation_id, title)
         return conversation_list(user, conversation_id, query)
 
     def on_delete_ask(conversation_id: int | None):
-        if conversation_id is None:
-            raise gr.Error("Open a chat to delete it.")
+        with shown_to_user():
+            chat.check_deletable(conversation_id)
         return gr.Row(visible=True)
 
     def on_delete_confirm(user_id: str, conversation_id: int | None, query: str,
                           profile: gr.OAuthProfile | None = None):
         user = identity.resolve_user(user_id, profile)
-        if conversation_id is not None:
-            store.delete_conversation(user, conversation_id)
+        chat.delete(user, conversation_id)
         return [], None, "", conversation_list(user, None, query), gr.Row(visible=False)
 
     def on_delete_cancel():

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from engine import Delta, EngineClient, SamplingParams, Usage
+from engine import Delta, EngineClient, SamplingParams, Usage, decode_rate
 
 
 class ReplyStream:
@@ -15,8 +15,9 @@ class ReplyStream:
     Created by `start_reply`, which submits at once: a prompt the engine refuses (too long for
     the KV cache, empty) raises ValueError there, before anything is shown or stored."""
 
-    def __init__(self, deltas: Iterator[Delta]) -> None:
+    def __init__(self, deltas: Iterator[Delta], abort: Callable[[], None] | None = None) -> None:
         self._deltas = deltas
+        self._abort = abort
         self.text = ""
         self.num_tokens = 0
         self.finish_reason: str | None = None
@@ -36,27 +37,23 @@ class ReplyStream:
             yield self
 
     def close(self) -> None:
-        self._deltas.close()  # EngineClient aborts a request whose iterator closes early
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason in ("stop", "length")
+        self._deltas.close()  # EngineClient aborts a request whose iterator closes early...
+        if self.finish_reason is None and self._abort is not None:
+            self._abort()  # ...but not one never iterated: closing an unstarted generator runs nothing
 
     def metrics(self) -> dict:
         """The Store's message metrics: the engine's usage when it finished the reply, our own
         clock when it was cut short (an aborted request carries no usage)."""
         if self.usage is not None:
             usage = self.usage
-            decode_s = usage.duration_s - usage.ttft_s
-            per_s = (usage.completion_tokens - 1) / decode_s if usage.completion_tokens > 1 and decode_s > 0 else None
+            per_s = usage.decode_tokens_per_s
             return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
                     "completion_tokens": usage.completion_tokens, "ttft_s": usage.ttft_s,
                     "tokens_per_s": per_s, "finish_reason": self.finish_reason}
         ttft = per_s = None
         if self._first_token_at is not None:
             ttft = self._first_token_at - self._started
-            decode_s = time.perf_counter() - self._first_token_at
-            per_s = (self.num_tokens - 1) / decode_s if self.num_tokens > 1 and decode_s > 0 else None
+            per_s = decode_rate(self.num_tokens, time.perf_counter() - self._first_token_at)
         return {"completion_tokens": self.num_tokens, "ttft_s": ttft, "tokens_per_s": per_s,
                 "finish_reason": self.finish_reason}
 
@@ -66,4 +63,5 @@ def start_reply(client: EngineClient, messages: list[dict], params: SamplingPara
     """Submit a conversation. The request id starts with the conversation (`chat12/…`, or
     `chat-new-…` before the first reply creates it): the live panel tints blocks by it."""
     conversation = f"chat{int(conversation_id)}" if conversation_id is not None else f"chat-new-{uuid.uuid4().hex[:6]}"
-    return ReplyStream(client.submit(messages, params, request_id=f"{conversation}/{uuid.uuid4().hex[:8]}"))
+    request_id = f"{conversation}/{uuid.uuid4().hex[:8]}"
+    return ReplyStream(client.submit(messages, params, request_id=request_id), lambda: client.abort(request_id))

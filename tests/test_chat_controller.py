@@ -1,0 +1,307 @@
+"""The chat page's logic without Gradio: `ChatController` around a real tiny engine and a real
+store. Replies are greedy; the tiny model's text is gibberish, so the tests assert what is
+shown and stored, never what is said."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from engine import EngineClient, LLMEngine, decode_rate
+from storage import NotFound, Store
+from ui.conversation import ChatController, ChatInputError, ChatView, last_user_index, last_user_message
+from ui.presets import PRESETS
+
+SYSTEM = PRESETS["Helpful assistant"]
+MAX_TOKENS = 16
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> tuple[float, float, float]:
+    return 0.0, 1.0, max_tokens  # the sliders: temperature, top_p, max new tokens
+
+
+def new_user() -> str:
+    return f"anon:{uuid.uuid4().hex}"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    """One tiny engine for the module: 64 blocks of 16 tokens, so a 3000-word prompt is refused."""
+    engine_client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=64, num_cpu_blocks=32))
+    try:
+        yield engine_client
+    finally:
+        engine_client.close()
+
+
+@pytest.fixture
+def store(tmp_path):
+    with Store(tmp_path / "chat.db") as store:
+        yield store
+
+
+@pytest.fixture
+def chat(client, store):
+    return ChatController(client, store)
+
+
+def engine_idle(client: EngineClient, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = client.stats()
+        if stats.num_running + stats.num_waiting + stats.num_swapped == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def turn(chat: ChatController, user: str, text: str, conversation_id: int | None = None,
+         max_tokens: int = MAX_TOKENS) -> list[ChatView]:
+    return list(chat.send(user, conversation_id, text, SYSTEM, greedy(max_tokens)))
+
+
+def roles(store: Store, user: str, conversation_id: int) -> list[str]:
+    return [m["role"] for m in store.messages(user, conversation_id)]
+
+
+# ---- send ------------------------------------------------------------------------------------------
+def test_send_streams_a_growing_reply_then_stores_both_sides_with_metrics(chat, store, client):
+    user = new_user()
+    views = turn(chat, user, "  Tell me about paged attention please  ", max_tokens=24)
+
+    conversation_id = views[-1].conversation_id
+    assert conversation_id is not None and all(v.conversation_id == conversation_id for v in views)
+    assert not any(v.refused for v in views)
+    assert views[0].messages == [{"role": "user", "content": "Tell me about paged attention please"}]
+    live = [v.messages[-1]["content"] for v in views[1:-1]]
+    assert len(live) >= 3, "the reply did not stream"
+    assert all(len(a) <= len(b) for a, b in zip(live, live[1:])) and len(live[0]) < len(live[-1])
+    assert all(v.messages[0] == views[0].messages[0] for v in views)
+
+    conversation = store.conversation(user, conversation_id)
+    assert conversation["title"] == "Tell me about paged attention please"[:48]
+    assert conversation["system_prompt"] == SYSTEM
+    messages = store.messages(user, conversation_id)
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[0]["content"] == "Tell me about paged attention please"
+    reply = messages[1]
+    assert reply["content"].strip() and reply["finish_reason"] in ("stop", "length") and not reply["stopped"]
+    assert reply["prompt_tokens"] > 0 and reply["cached_tokens"] is not None
+    assert 0 < reply["completion_tokens"] <= 24 and reply["ttft_s"] is not None
+    assert "prompt tokens cached" in views[-1].messages[-1]["content"]  # the final view shows the metrics
+    assert [c["id"] for c in store.conversations(user)] == [conversation_id]
+    assert engine_idle(client)
+
+
+def test_a_long_title_is_cut_and_a_new_system_prompt_is_kept(chat, store):
+    user = new_user()
+    text = "A question whose text runs on far beyond the length of a sidebar title"
+    conversation_id = turn(chat, user, text)[-1].conversation_id
+    assert store.conversation(user, conversation_id)["title"] == text[:48]
+    list(chat.send(user, conversation_id, "Now as a teacher", PRESETS["Teacher"], greedy()))
+    assert store.conversation(user, conversation_id)["system_prompt"] == PRESETS["Teacher"]
+
+
+def test_a_second_turn_hits_the_prefix_cache(chat, store, client):
+    user = new_user()
+    conversation_id = turn(chat, user, "First question, about lighthouses")[-1].conversation_id
+    views = turn(chat, user, "And a second one", conversation_id)
+    assert views[-1].conversation_id == conversation_id
+    first, second = store.messages(user, conversation_id)[1::2]
+    assert roles(store, user, conversation_id) == ["user", "assistant", "user", "assistant"]
+    block = client.info().block_size
+    assert second["cached_tokens"] > 0
+    assert second["cached_tokens"] >= block * (first["prompt_tokens"] // block)  # the whole first prompt
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["completion_tokens"]
+
+
+def test_a_prompt_too_long_for_the_cache_is_refused_and_stores_nothing(chat, store, client):
+    user = new_user()
+    views = turn(chat, user, "word " * 3000)
+    assert len(views) == 1 and views[0].refused and views[0].conversation_id is None
+    assert "too long" in views[0].messages[-1]["content"] and "Error" in views[0].messages[-1]["content"]
+    assert store.conversations(user) == []
+
+    conversation_id = turn(chat, user, "A short one first")[-1].conversation_id
+    before = store.messages(user, conversation_id)
+    [refused] = list(chat.send(user, conversation_id, "word " * 3000, PRESETS["Teacher"], greedy()))
+    assert refused.refused and refused.conversation_id == conversation_id
+    assert store.messages(user, conversation_id) == before
+    assert store.conversation(user, conversation_id)["system_prompt"] == SYSTEM  # not changed either
+    assert engine_idle(client)
+
+
+# ---- regenerate and edit ---------------------------------------------------------------------------
+def test_regenerate_replaces_the_last_reply(chat, store):
+    user = new_user()
+    conversation_id = turn(chat, user, "Regenerate me")[-1].conversation_id
+    old = store.messages(user, conversation_id)
+
+    views = list(chat.regenerate(user, conversation_id, greedy(MAX_TOKENS + 4)))
+    assert all(v.conversation_id == conversation_id for v in views)
+    assert views[0].messages[:1] == [{"role": "user", "content": "Regenerate me"}]
+    new = store.messages(user, conversation_id)
+    assert [m["role"] for m in new] == ["user", "assistant"]
+    assert new[0] == old[0] and new[1]["id"] != old[1]["id"]
+    assert new[1]["completion_tokens"] > 0 and new[1]["finish_reason"] in ("stop", "length")
+    assert len(views[-1].messages) == 2 and "prompt tokens cached" in views[-1].messages[-1]["content"]
+
+
+def test_regenerate_answers_a_last_message_that_has_no_reply(chat, store):
+    user = new_user()
+    conversation_id = store.create_conversation(user, title="Unanswered", system_prompt=SYSTEM)["id"]
+    store.add_message(user, conversation_id, "user", "Are you there?")
+    list(chat.regenerate(user, conversation_id, greedy()))
+    messages = store.messages(user, conversation_id)
+    assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == "Are you there?"
+
+
+def test_edit_last_replaces_the_last_user_message_and_drops_its_reply(chat, store):
+    user = new_user()
+    conversation_id = turn(chat, user, "First message")[-1].conversation_id
+    turn(chat, user, "A message with a typo", conversation_id)
+    assert chat.last_user_message(user, conversation_id) == "A message with a typo"
+
+    views = list(chat.edit_last(user, conversation_id, "  The corrected message ", greedy()))
+    shown_user = [m["content"] for m in views[0].messages if m["role"] == "user"]
+    assert shown_user == ["First message", "The corrected message"] and views[0].messages[-1]["role"] == "user"
+    messages = store.messages(user, conversation_id)
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in messages[::2]] == ["First message", "The corrected message"]
+    assert messages[3]["finish_reason"] in ("stop", "length")
+    assert chat.last_user_message(user, conversation_id) == "The corrected message"
+
+
+# ---- Stop -------------------------------------------------------------------------------------------
+def test_closing_mid_stream_stores_the_partial_reply_as_stopped(chat, store, client):
+    user = new_user()
+    views = chat.send(user, None, "Write a very long story about a lighthouse.", "", greedy(500))
+    for view in views:
+        last = view.messages[-1]
+        if last["role"] == "assistant" and last["content"] not in ("", "…"):
+            break  # the first view with some of the reply in it
+    else:
+        pytest.fail("the reply never streamed")
+    views.close()  # what Stop does: Gradio closes the handler, which closes this at once
+
+    conversation_id = view.conversation_id
+    messages = store.messages(user, conversation_id)
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    reply = messages[1]
+    assert reply["stopped"] and reply["finish_reason"] == "abort"
+    assert 0 < reply["completion_tokens"] < 500 and reply["content"].strip()
+    assert engine_idle(client), client.stats()
+
+    started = time.monotonic()
+    shown = chat.after_stop(user, conversation_id, timeout=5.0)
+    assert time.monotonic() - started < 1.0
+    assert shown[-1]["role"] == "assistant" and "stopped" in shown[-1]["content"]
+
+
+def test_closing_before_the_reply_streams_aborts_the_request_and_stores_only_the_message(chat, store, client):
+    user = new_user()
+    views = chat.send(user, None, "Stop me before I start", "", greedy(500))
+    first = next(views)  # the user's side, stored; no delta read yet
+    views.close()
+    assert engine_idle(client), client.stats()
+    assert roles(store, user, first.conversation_id) == ["user"]
+    assert chat.after_stop(user, first.conversation_id, timeout=5.0) == first.messages
+
+
+def test_after_stop_with_no_stream_just_redraws(chat, store):
+    user = new_user()
+    conversation_id = turn(chat, user, "Nothing to stop")[-1].conversation_id
+    assert chat.after_stop(user, None) == []
+    assert [m["role"] for m in chat.after_stop(user, conversation_id)] == ["user", "assistant"]
+
+
+# ---- users and mistakes -----------------------------------------------------------------------------
+def test_another_users_conversation_is_not_found_and_stays_untouched(chat, store, client):
+    alice, bob = new_user(), new_user()
+    conversation_id = turn(chat, alice, "Alice's chat")[-1].conversation_id
+    before = store.messages(alice, conversation_id)
+
+    with pytest.raises(NotFound):
+        chat.send(bob, conversation_id, "Let me in", SYSTEM, greedy())
+    with pytest.raises(NotFound):
+        chat.regenerate(bob, conversation_id, greedy())
+    with pytest.raises(NotFound):
+        chat.edit_last(bob, conversation_id, "Mine now", greedy())
+    with pytest.raises(NotFound):
+        chat.rename(bob, conversation_id, "Taken")
+    with pytest.raises(NotFound):
+        chat.delete(bob, conversation_id)
+    with pytest.raises(ChatInputError, match="no longer exists"):
+        chat.open_chat(bob, conversation_id)
+
+    assert store.messages(alice, conversation_id) == before
+    assert store.conversation(alice, conversation_id)["title"] == "Alice's chat"
+    assert store.conversations(bob) == [] and chat.conversation_choices(bob, "Alice") == []
+    assert engine_idle(client)
+
+
+def test_user_mistakes_raise_chat_input_errors_with_the_page_wording(chat, store):
+    user = new_user()
+    with pytest.raises(ChatInputError, match="Type a message first"):
+        chat.send(user, None, "   ", SYSTEM, greedy())
+    with pytest.raises(ChatInputError, match="temperature must be between"):
+        chat.send(user, None, "Hello", SYSTEM, (5.0, 1.0, 16))
+    with pytest.raises(ChatInputError, match="max new tokens must be a whole number"):
+        chat.send(user, None, "Hello", SYSTEM, (0.0, 1.0, 16.5))
+    with pytest.raises(ChatInputError, match="Nothing to regenerate yet"):
+        chat.regenerate(user, None, greedy())
+    with pytest.raises(ChatInputError, match="no sent message to edit"):
+        chat.edit_last(user, None, "An edit", greedy())
+    with pytest.raises(ChatInputError, match="Open a chat and type its new title"):
+        chat.rename(user, None, "A title")
+    with pytest.raises(ChatInputError, match="Open a chat to delete it"):
+        chat.check_deletable(None)
+    assert store.conversations(user) == []
+
+    conversation_id = turn(chat, user, "Now there is a chat")[-1].conversation_id
+    with pytest.raises(ChatInputError, match="no sent message to edit"):
+        chat.edit_last(user, conversation_id, "  ", greedy())
+    with pytest.raises(ChatInputError, match="top_p must be between"):
+        chat.regenerate(user, conversation_id, (0.0, 0.0, 16))
+    with pytest.raises(ChatInputError, match="Open a chat and type its new title"):
+        chat.rename(user, conversation_id, " ")
+    assert issubclass(ChatInputError, ValueError)
+
+
+# ---- the sidebar -------------------------------------------------------------------------------------
+def test_sidebar_lists_searches_opens_renames_and_deletes(chat, store):
+    user = new_user()
+    first = store.create_conversation(user, title="Lighthouses", system_prompt=PRESETS["Teacher"])["id"]
+    store.add_message(user, first, "user", "How do lighthouses work?")
+    store.add_message(user, first, "assistant", "With a lamp.", finish_reason="stop")
+    second = store.create_conversation(user, title="Custom", system_prompt="Talk like a pirate.")["id"]
+
+    assert chat.conversation_choices(user) == [("Custom", second), ("Lighthouses", first)]
+    [(label, found)] = chat.conversation_choices(user, "lamp")
+    assert found == first and label.startswith("Lighthouses — ") and "[lamp]" in label
+
+    opened = chat.open_chat(user, first)
+    assert [m["role"] for m in opened.messages] == ["user", "assistant"]
+    assert (opened.preset, opened.custom, opened.title) == ("Teacher", "", "Lighthouses")
+    assert opened.last_user_message == "How do lighthouses work?"
+    custom = chat.open_chat(user, second)
+    assert (custom.preset, custom.custom, custom.messages, custom.last_user_message) == \
+        ("Custom", "Talk like a pirate.", [], "")
+
+    chat.rename(user, first, "Beacons")
+    assert store.conversation(user, first)["title"] == "Beacons"
+    chat.check_deletable(first)
+    chat.delete(user, first)
+    chat.delete(user, None)  # nothing open: nothing to do
+    assert chat.conversation_choices(user) == [("Custom", second)]
+    assert chat.last_user_message(user, None) == ""
+
+
+def test_last_user_message_and_decode_rate_helpers():
+    rows = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    assert last_user_index(rows) == 2 and last_user_message(rows) == "c"
+    assert last_user_index(rows[1:2]) is None and last_user_message([]) == ""
+    assert decode_rate(11, 2.0) == 5.0  # the first token is the TTFT's, not decoding's
+    assert decode_rate(1, 2.0) is None and decode_rate(5, 0.0) is None
