@@ -15,7 +15,8 @@ from engine.core.stats import SchedulerStats
 from engine.outputs import CompletionOutput, Delta, EngineInfo, FirstToken, RequestOutput, Usage, decode_rate
 
 # The model-facing API pulls in torch and transformers: imported only when asked for.
-_LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineClient": "engine.client"}
+_LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineClient": "engine.client",
+         "EngineDeadError": "engine.client"}
 
 
 def __getattr__(name: str):
@@ -25,6 +26,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["BlockInfo", "BlockMap", "BlockState", "CompletionOutput", "Delta", "EngineClient", "EngineInfo",
+__all__ = ["BlockInfo", "BlockMap", "BlockState", "CompletionOutput", "Delta", "EngineClient", "EngineDeadError", "EngineInfo",
            "FinishReason", "FirstToken", "LLM", "LLMEngine", "PromptTooLongError", "Request", "RequestOutput",
            "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerStats", "Usage", "decode_rate"]

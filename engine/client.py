@@ -27,6 +27,11 @@ from engine.outputs import Delta, EngineInfo, FirstToken
 log = logging.getLogger(__name__)
 _DONE = object()
 RECENT_FIRST_TOKENS = 256
+LIVENESS_CHECK_S = 1.0  # how often a waiting caller checks that the loop thread is still alive
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (closed, or stopped by a fault): nothing submitted will run."""
 
 
 class EngineClient:
@@ -34,7 +39,7 @@ class EngineClient:
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, queue.SimpleQueue] = {}
-        self._open: dict[str, int] = {}  # request id -> samples not yet finished
+        self._open: dict[str, set[int]] = {}  # request id -> indices of its samples not yet finished
         self._ids = itertools.count()
         self._stats = engine.stats()
         self._info = engine.info()
@@ -42,6 +47,7 @@ class EngineClient:
         self._first_tokens: deque[FirstToken] = deque(maxlen=RECENT_FIRST_TOKENS)
         self._recent: tuple[FirstToken, ...] = ()
         self._stopping = threading.Event()
+        self._death: str | None = None  # why the loop stopped, if a fault stopped it
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -54,22 +60,25 @@ class EngineClient:
         request_id = request_id or f"req-{next(self._ids)}"
         stream: queue.SimpleQueue = queue.SimpleQueue()
         future: Future = Future()
-        if self.closed:
-            raise RuntimeError("the engine client is closed")
-        self._inbox.put(("add", request_id, prompt, params, stream, future))
-        while True:  # an empty or too long prompt, or a duplicate id, raises here
-            try:
-                future.result(timeout=1.0)
-                break
-            except FutureTimeout:
-                if not self._thread.is_alive():  # closed after our check: nobody will answer
-                    raise RuntimeError("the engine client is closed") from None
+        self._ask(("add", request_id, prompt, params, stream, future))  # a bad prompt raises here
         return self._iterate(request_id, stream)
 
     def _iterate(self, request_id: str, stream: queue.SimpleQueue) -> Iterator[Delta]:
         finished = False
         try:
-            while (item := stream.get()) is not _DONE:
+            while True:
+                try:
+                    item = stream.get(timeout=LIVENESS_CHECK_S)
+                except queue.Empty:
+                    if self._thread.is_alive():
+                        continue
+                    # The loop ends every open stream as it stops; this only guards against a
+                    # loop that could not (a reader never waits on a dead engine).
+                    item = Delta(request_id, 0, "", (), finish_reason="error", error=self._dead_reason())
+                    yield item
+                    break
+                if item is _DONE:
+                    break
                 yield item
             finished = True
         finally:
@@ -92,13 +101,35 @@ class EngineClient:
 
     def block_map(self, timeout: float = 10.0) -> BlockMap:
         """Every block's state, taken by the loop thread between two steps."""
-        future: Future = Future()
-        self._inbox.put(("block_map", future))
-        return future.result(timeout)
+        return self._ask(("block_map", Future()), timeout)
 
     @property
     def closed(self) -> bool:
-        return self._stopping.is_set()
+        """True once the loop is not running: closed, or stopped by a fault."""
+        return self._stopping.is_set() or not self._thread.is_alive()
+
+    def _dead_reason(self) -> str:
+        if self._death is not None:
+            return f"the engine loop stopped after a fault ({self._death})"
+        return "the engine client is closed"
+
+    def _ask(self, message: tuple, timeout: float | None = None):
+        """Send the loop a message whose last item is a Future, and wait for its answer, checking
+        that the loop is alive while waiting (it may stop after our check and never answer)."""
+        future: Future = message[-1]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.closed:
+            raise EngineDeadError(self._dead_reason())
+        self._inbox.put(message)
+        while True:
+            wait = LIVENESS_CHECK_S if deadline is None else min(LIVENESS_CHECK_S, deadline - time.monotonic())
+            try:
+                return future.result(timeout=max(wait, 0.0))
+            except FutureTimeout:
+                if self.closed and not future.done():
+                    raise EngineDeadError(self._dead_reason()) from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
 
     def close(self) -> None:
         self._stopping.set()
@@ -107,14 +138,29 @@ class EngineClient:
 
     # ---- loop thread --------------------------------------------------------------------
     def _loop(self) -> None:
+        """Supervises the steps: a failing forward fails only its own requests (LLMEngine.step), a
+        failing step otherwise fails the requests open then, and if the loop itself stops, every
+        open stream and every waiting caller is answered with the reason before the thread ends."""
+        try:
+            self._run()
+        except BaseException as error:
+            self._death = f"{type(error).__name__}: {error}"
+            log.exception("the engine loop stopped")
+        finally:
+            self._stopping.set()
+            reason = "abort" if self._death is None else "error"
+            for request_id in list(self._streams):
+                self._finish_stream(request_id, reason, None if self._death is None else self._dead_reason())
+            self._answer_leftovers()
+
+    def _run(self) -> None:
         while not self._stopping.is_set():
             # Block for work only when the engine is idle; otherwise take what has arrived and step.
             block = not self.engine.has_unfinished()
             try:
-                message = self._inbox.get(block=block)
-                self._handle(message)
+                self._handle_safely(self._inbox.get(block=block))
                 while True:
-                    self._handle(self._inbox.get_nowait())
+                    self._handle_safely(self._inbox.get_nowait())
             except queue.Empty:
                 pass
             if not self.engine.has_unfinished():  # an abort may have emptied it: no step will say so
@@ -122,14 +168,39 @@ class EngineClient:
                 continue
             try:
                 self._route(self.engine.step())
-            except Exception:  # a bug must not hang every caller: end their streams instead
+            except Exception as error:  # a bug outside the forward: fail what is open, keep serving
                 log.exception("engine step failed; ending every open request")
-                for request_id in list(self._streams):
-                    self.engine.abort_request(request_id)
-                    self._finish_stream(request_id, "error")
+                self._fail_open_requests(f"{type(error).__name__}: {error}")
             self._stats = self.engine.stats()
+
+    def _fail_open_requests(self, reason: str) -> None:
         for request_id in list(self._streams):
-            self._finish_stream(request_id, "abort")
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # the state that failed the step may fail this too; end the stream anyway
+                log.exception("could not abort %s", request_id)
+            self._finish_stream(request_id, "error", reason)
+        self.engine.scheduler.last_stats = self.engine.scheduler.current_stats()
+
+    def _answer_leftovers(self) -> None:
+        """Callers whose messages the stopped loop never took get the reason, not a wait."""
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            future = message[-1]
+            if isinstance(future, Future) and not future.done():
+                future.set_exception(EngineDeadError(self._dead_reason()))
+
+    def _handle_safely(self, message: tuple) -> None:
+        try:
+            self._handle(message)
+        except Exception as error:  # one bad message must not stop the loop
+            log.exception("engine client message %r failed", message[0])
+            future = message[-1]
+            if isinstance(future, Future) and not future.done():
+                future.set_exception(error)
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
@@ -146,16 +217,22 @@ class EngineClient:
                 future.set_exception(error)
                 return
             self._streams[request_id] = stream
-            self._open[request_id] = params.n
+            self._open[request_id] = set(range(params.n))
             self._submitted[request_id] = time.monotonic()
             future.set_result(None)
         elif kind == "abort":
             request_id = message[1]
             if request_id in self._streams:
-                self.engine.abort_request(request_id)
-                self._finish_stream(request_id, "abort")
+                try:
+                    self.engine.abort_request(request_id)
+                finally:
+                    self._finish_stream(request_id, "abort")
         elif kind == "block_map":
-            message[1].set_result(self.engine.block_map())
+            future = message[1]
+            try:
+                future.set_result(self.engine.block_map())
+            except Exception as error:  # the caller gets the error; the engine goes on
+                future.set_exception(error)
 
     def _route(self, deltas: list[Delta]) -> None:
         first_token = False
@@ -169,17 +246,19 @@ class EngineClient:
                 first_token = True
             stream.put(delta)
             if delta.finish_reason is not None:
-                self._open[delta.request_id] -= 1
-                if self._open[delta.request_id] == 0:
+                self._open[delta.request_id].discard(delta.index)
+                if not self._open[delta.request_id]:
                     del self._streams[delta.request_id], self._open[delta.request_id]
                     self._submitted.pop(delta.request_id, None)
                     stream.put(_DONE)
         if first_token:  # readers get an immutable copy; the deque itself stays on this thread
             self._recent = tuple(self._first_tokens)
 
-    def _finish_stream(self, request_id: str, reason: str) -> None:
+    def _finish_stream(self, request_id: str, reason: str, error: str | None = None) -> None:
+        """End a request's stream with one final delta per sample still open."""
         stream = self._streams.pop(request_id)
-        self._open.pop(request_id, None)
+        open_samples = self._open.pop(request_id, None) or {0}
         self._submitted.pop(request_id, None)
-        stream.put(Delta(request_id, 0, "", (), finish_reason=reason))
+        for index in sorted(open_samples):
+            stream.put(Delta(request_id, index, "", (), finish_reason=reason, error=error))
         stream.put(_DONE)

@@ -156,15 +156,23 @@ class LLMEngine:
                      duration_s=now - request.arrival_time)
 
     def _fail(self, requests: list[Request], error: Exception) -> list[Delta]:
+        """End every sample of every request group in a failed step, each with a final error
+        delta (the caller counts one final delta per sample), and return their blocks. Samples
+        not forked yet, and forked ones not in the step, end too."""
+        reason = f"{type(error).__name__}: {error}"
+        groups = {r.parent_id or r.request_id: r for r in requests if not r.is_finished}
         deltas = []
-        for request in requests:
-            if request.is_finished:
-                continue
-            self.scheduler.finish_request(request.request_id, FinishReason.ABORT)
-            self._samples.pop(request.request_id, None)
-            deltas.append(Delta(request.parent_id or request.request_id, request.sample_index, "", (),
-                                finish_reason="error", usage=self._usage(request),
-                                error=f"{type(error).__name__}: {error}"))
+        for group_id, request in groups.items():
+            usage = self._usage(request)
+            members = [r for r in self.scheduler.requests.values() if (r.parent_id or r.request_id) == group_id]
+            indices = {r.sample_index for r in members}
+            parent = self.scheduler.requests.get(group_id)
+            if parent is not None and parent.sampling_params.n > 1 and not parent.forked:
+                indices.update(range(1, parent.sampling_params.n))
+            self.abort_request(group_id)  # the parent and every forked sample, in any state
+            deltas += [Delta(group_id, index, "", (), finish_reason="error", usage=usage, error=reason)
+                       for index in sorted(indices)]
+        self.scheduler.last_stats = self.scheduler.current_stats()  # no update() will say so
         return deltas
 
     # ---- snapshots ----------------------------------------------------------------------
