@@ -101,7 +101,8 @@ class EngineClient:
 
     def block_map(self, timeout: float = 10.0) -> BlockMap:
         """Every block's state, taken by the loop thread between two steps."""
-        return self._ask(("block_map", Future()), timeout)
+        # The loop thread only copies what changed; the BlockInfos are built here, off it.
+        return self._ask(("block_map", Future()), timeout).build()
 
     @property
     def closed(self) -> bool:
@@ -230,7 +231,7 @@ class EngineClient:
         elif kind == "block_map":
             future = message[1]
             try:
-                future.set_result(self.engine.block_map())
+                future.set_result(self.engine.block_map_state())
             except Exception as error:  # the caller gets the error; the engine goes on
                 future.set_exception(error)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from engine.core.block_map import BlockMap
+from engine.core.block_map import BlockMap, BlockMapState
 from engine.core.config import SchedulerConfig
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import SamplingParams
@@ -181,6 +181,9 @@ class LLMEngine:
 
     def block_map(self) -> BlockMap:
         return self.scheduler.block_map()
+
+    def block_map_state(self) -> BlockMapState:
+        return self.scheduler.block_map_state()
 
     def info(self) -> EngineInfo:
         cache = self.runner.kv_cache

@@ -1,7 +1,7 @@
 """Helpers for driving the scheduler with the simulated runner in tests."""
 from __future__ import annotations
 
-from engine import Request, SamplingParams, Scheduler, SchedulerConfig
+from engine import BlockInfo, BlockMap, BlockState, Request, SamplingParams, Scheduler, SchedulerConfig
 from engine.devtools.invariants import check_invariants
 from engine.devtools.simulated_runner import SimulatedRunner, reference_generation, run_step
 
@@ -36,3 +36,25 @@ def run(scheduler: Scheduler, runner: SimulatedRunner, max_steps: int = 10_000, 
 def expected(req: Request, max_model_len: int, sample_index: int = 0) -> list[int]:
     return reference_generation(req.prompt_token_ids, req.sampling_params.max_tokens, VOCAB,
                                 None if req.sampling_params.ignore_eos else EOS, max_model_len, sample_index)
+
+
+def expected_block_map(scheduler) -> BlockMap:
+    """The block map read straight off the pools and the block tables: the oracle for the
+    scheduler's incrementally kept one."""
+    def infos(pool, owner_of):
+        out = []
+        for block in pool.blocks:
+            state = (BlockState.USED if block.ref_count else
+                     BlockState.CACHED if block.block_hash is not None else BlockState.FREE)
+            out.append(BlockInfo(block.block_id, state, block.ref_count, block.num_tokens, block.block_hash,
+                                 tuple(owner_of.get(block.block_id, ()))))
+        return tuple(out)
+
+    device, host = {}, {}
+    for request in scheduler.requests.values():
+        for block_id in request.block_ids:
+            device.setdefault(block_id, []).append(request.request_id)
+        for block_id in request.host_block_ids:
+            host.setdefault(block_id, []).append(request.request_id)
+    kv = scheduler.kv
+    return BlockMap(kv.block_size, infos(kv.device, device), infos(kv.host, host))

@@ -19,6 +19,11 @@ def test_scheduler_overhead_script():
     assert figures["ms_per_step"] > 0 and figures["requests"] == 8
 
 
+def test_block_map_script():
+    figures = last_json_line(["benchmarks/block_map.py", "--pools", "2000", "--requests", "8", "--steps", "3"])
+    assert figures["pools"]["2000"]["engine_ms"] > 0 and figures["requests"] == 8
+
+
 def test_kernels_script_small():
     figures = last_json_line(["benchmarks/kernels.py", "--small"])
     assert figures["small"] is True

@@ -115,7 +115,7 @@ def test_a_killed_loop_ends_every_stream_at_once_and_submit_raises(client):
 
 
 def test_block_map_that_raises_reaches_its_caller_only(client):
-    fail_on_calls(client.engine, "block_map", {1}, Injected("map broke"))
+    fail_on_calls(client.engine, "block_map_state", {1}, Injected("map broke"))
     with pytest.raises(Injected, match="map broke"):
         client.block_map()
     assert len(client.block_map().device) == 64

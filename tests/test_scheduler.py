@@ -4,7 +4,7 @@ import pytest
 from engine import FinishReason, PromptTooLongError, RequestStatus, SchedulerConfig
 from engine.devtools.invariants import check_invariants
 from engine.devtools.simulated_runner import run_step
-from simulation import expected, make, request, run
+from simulation import expected, expected_block_map, make, request, run
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -330,3 +330,17 @@ def test_cumulative_counters_are_the_sums_of_the_per_step_values():
         assert after.total_blocks_swapped_in >= before.total_blocks_swapped_in
     idle = sched.current_stats()  # a snapshot between steps counts nothing twice
     assert idle.total_prompt_tokens == last.total_prompt_tokens and idle.num_prefill_tokens == 0
+
+
+def test_the_block_map_follows_every_step_of_forks_swaps_and_chunks():
+    # Chunked prefill of a forked request: the fork shares blocks the map already copied, so a
+    # ref count that changes without marking its block would show here.
+    sched, runner = make(num_device_blocks=10, num_host_blocks=16, max_num_batched_tokens=4, preemption_mode="swap")
+    sched.add_request(request("fork", list(range(1, 14)), max_tokens=10, n=3, ignore_eos=True))
+    sched.add_request(request("other", list(range(20, 30)), max_tokens=12, ignore_eos=True))
+    assert sched.block_map() == expected_block_map(sched)
+    maps = []
+    run(sched, runner, on_step=lambda out: maps.append((sched.block_map(), expected_block_map(sched))))
+    assert all(got == want for got, want in maps)
+    assert any(info.ref_count > 1 for got, _ in maps for info in got.device)  # the fork was seen
+    assert sched.num_preemptions_swap > 0  # and blocks went to the host pool and back

@@ -1,13 +1,14 @@
 """Random add / step / abort / finish sequences on tiny pools: the invariants hold after every
-step, nothing is lost, and every request that ran to its end produced exactly what it would
-have produced alone (the simulated model samples from the sequence so far)."""
+step, the incrementally kept block map equals one read off the pools, nothing is lost, and every
+request that ran to its end produced exactly what it would have produced alone (the simulated
+model samples from the sequence so far)."""
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine import FinishReason, PromptTooLongError, Scheduler, SchedulerConfig
 from engine.devtools.invariants import check_invariants
 from engine.devtools.simulated_runner import SimulatedRunner, reference_generation, run_step
-from simulation import EOS, VOCAB, request
+from simulation import EOS, VOCAB, expected_block_map, request
 
 PREFIXES = [[], [5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21], [30, 31, 32, 33, 34, 35, 36]]
 
@@ -27,7 +28,8 @@ adds = st.tuples(st.just("add"), st.sampled_from(range(len(PREFIXES))),
                  st.integers(1, 16), st.sampled_from([1, 1, 2, 3]), st.booleans())
 steps = st.tuples(st.just("step"), st.integers(1, 6))
 ends = st.tuples(st.sampled_from(["abort", "finish"]), st.integers(0, 12))
-ops = st.lists(st.one_of(adds, adds, steps, steps, ends), min_size=4, max_size=50)
+maps = st.tuples(st.just("map"))  # the incremental block map, checked at random moments
+ops = st.lists(st.one_of(adds, adds, steps, steps, ends, maps), min_size=4, max_size=50)
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -62,6 +64,8 @@ def test_random_workloads_keep_every_invariant(config, script):
                 continue
             added[rid] = req
             seen.add(rid)
+        elif op[0] == "map":
+            assert sched.block_map() == expected_block_map(sched)
         elif op[0] == "step":
             for _ in range(op[1]):
                 step()
@@ -78,6 +82,7 @@ def test_random_workloads_keep_every_invariant(config, script):
         step()
     assert not sched.has_unfinished(), "a request never finished"
     assert sched.kv.device.num_used == 0 and sched.kv.host.num_used == 0
+    assert sched.block_map() == expected_block_map(sched)
 
     if sched.kv.prefix_cache_hits:
         event("prefix-cache hit")

@@ -36,6 +36,10 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()          # front = evicted first
         self._by_hash: dict[int, Block] = {}
         self.num_evictions = 0
+        # Blocks whose ref count, token count or hash changed since the block map last looked:
+        # the map copies only these (engine/core/block_map.py). Whoever writes a block's fields
+        # outside this class calls `changed`.
+        self.dirty: set[int] = set()
 
     @property
     def num_blocks(self) -> int:
@@ -66,12 +70,14 @@ class BlockPool:
             raise NoFreeBlocksError(f"all {len(self.blocks)} blocks are in use")
         block.ref_count = 1
         block.num_tokens = 0
+        self.dirty.add(block.block_id)
         return block
 
     def free(self, block: Block) -> None:
         if block.ref_count <= 0:
             raise DoubleFreeError(f"block {block.block_id} freed more times than it was taken")
         block.ref_count -= 1
+        self.dirty.add(block.block_id)
         if block.ref_count:
             return
         if self.caching and block.block_hash is not None:
@@ -83,6 +89,10 @@ class BlockPool:
             block.num_tokens = 0
             self._free_plain.append(block.block_id)
 
+    def changed(self, block: Block) -> None:
+        """Note a change made to the block's fields outside this class."""
+        self.dirty.add(block.block_id)
+
     def lookup(self, block_hash: int) -> Block | None:
         return self._by_hash.get(block_hash)
 
@@ -91,6 +101,7 @@ class BlockPool:
         if block.ref_count == 0:
             del self._free_cached[block.block_id]
         block.ref_count += 1
+        self.dirty.add(block.block_id)
 
     def register(self, block: Block, block_hash: int) -> None:
         """Make a full block findable by its hash. A second block with the same contents stays
@@ -98,6 +109,7 @@ class BlockPool:
         if block_hash not in self._by_hash:
             block.block_hash = block_hash
             self._by_hash[block_hash] = block
+            self.dirty.add(block.block_id)
 
     def free_queue_ids(self) -> tuple[list[int], list[int]]:
         """(plain free ids, cached free ids in eviction order): for snapshots and invariant checks."""

@@ -90,6 +90,7 @@ class KVCacheManager:
             last = blocks[block_ids[-1]]
             if last.ref_count == 1:
                 last.num_tokens += 1
+                self.device.changed(last)
                 return _NONE, None
         end = start + num_new_tokens
         need = cdiv(end, bs) - len(block_ids)
@@ -108,7 +109,9 @@ class KVCacheManager:
         block_ids.extend(new_ids)
         # Record how many slots each touched block will hold once this step runs.
         for i in range(start // bs, cdiv(end, bs)):
-            blocks[block_ids[i]].num_tokens = min(bs, end - i * bs)
+            block = blocks[block_ids[i]]
+            block.num_tokens = min(bs, end - i * bs)
+            self.device.changed(block)
         return new_ids, copy
 
     def _needs_copy_on_write(self, request: Request) -> bool:
@@ -121,7 +124,7 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent, the partial last one included."""
         for block_id in parent.block_ids:
-            self.device.blocks[block_id].ref_count += 1
+            self.device.touch(self.device.blocks[block_id])
         child.block_ids = list(parent.block_ids)
         child.block_hashes = list(parent.block_hashes)
         child.num_registered_blocks = parent.num_registered_blocks

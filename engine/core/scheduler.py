@@ -35,7 +35,7 @@ from bisect import insort
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from engine.core.block_map import BlockMap, snapshot_block_map
+from engine.core.block_map import BlockMap, BlockMapState, PoolMirror
 from engine.core.block_pool import NoFreeBlocksError
 from engine.core.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
@@ -70,6 +70,7 @@ class Scheduler:
         self.total_blocks_swapped_in = 0
         self.last_stats: SchedulerStats = snapshot_stats(self, SchedulerOutput())
         self._finished_ids: list[str] = []
+        self._mirrors: tuple[PoolMirror, PoolMirror] | None = None  # made on the first block map
 
     # ---- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -317,5 +318,12 @@ class Scheduler:
         """Stats of the present state, with nothing scheduled: for between steps (after an abort)."""
         return snapshot_stats(self, SchedulerOutput())
 
+    def block_map_state(self) -> BlockMapState:
+        """The engine thread's share of a block map: O(blocks changed since the last one) plus
+        copies; `.build()` it elsewhere."""
+        if self._mirrors is None:
+            self._mirrors = PoolMirror(self.kv.device), PoolMirror(self.kv.host)
+        return BlockMapState.take(*self._mirrors, self.requests.values())
+
     def block_map(self) -> BlockMap:
-        return snapshot_block_map(self.kv.device, self.kv.host, self.requests.values())
+        return self.block_map_state().build()
