@@ -53,14 +53,17 @@ class EngineClient:
 
     # ---- caller side --------------------------------------------------------------------
     def submit(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
-               request_id: str | None = None) -> Iterator[Delta]:
+               request_id: str | None = None, *, cache_salt: str | None = None,
+               num_shared_messages: int = 0) -> Iterator[Delta]:
         """Queue a prompt (text, token ids, or chat messages rendered with the chat template) and
-        return an iterator over its deltas, ending after every sample's final delta."""
+        return an iterator over its deltas, ending after every sample's final delta. `cache_salt`
+        (the user) keeps its prefix-cache blocks to that user, apart from the first
+        `num_shared_messages` messages (see LLMEngine.add_request)."""
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         stream: queue.SimpleQueue = queue.SimpleQueue()
-        future: Future = Future()
-        self._ask(("add", request_id, prompt, params, stream, future))  # a bad prompt raises here
+        options = {"cache_salt": cache_salt, "num_shared_messages": num_shared_messages}
+        self._ask(("add", request_id, prompt, params, options, stream, Future()))  # a bad prompt raises here
         return self._iterate(request_id, stream)
 
     def _iterate(self, request_id: str, stream: queue.SimpleQueue) -> Iterator[Delta]:
@@ -206,14 +209,12 @@ class EngineClient:
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "add":
-            _, request_id, prompt, params, stream, future = message
+            _, request_id, prompt, params, options, stream, future = message
             try:
                 if request_id in self._streams:
                     raise ValueError(f"a request with id {request_id!r} is already running")
-                # The tokenizer is used on this thread only: fast tokenizers are not safe to share.
-                if prompt and isinstance(prompt, list) and isinstance(prompt[0], dict):
-                    prompt = self.engine.apply_chat_template(prompt)
-                self.engine.add_request(request_id, prompt, params)
+                # Tokenizing happens here, on this thread only: fast tokenizers are not safe to share.
+                self.engine.add_request(request_id, prompt, params, **options)
             except Exception as error:
                 future.set_exception(error)
                 return

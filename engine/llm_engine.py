@@ -84,9 +84,24 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Queue a request; raises (queueing nothing) on an empty or too long prompt."""
-        request = Request(request_id, self.encode(prompt), params, eos_token_id=self.eos_token_id)
+    def add_request(self, request_id: str, prompt: str | list[int] | list[dict], params: SamplingParams, *,
+                    cache_salt: str | None = None, num_shared_messages: int = 0) -> Request:
+        """Queue a request: text, token ids, or chat messages (rendered with the chat template).
+        With `cache_salt` (the user), its prefix-cache blocks can be hit only by requests with the
+        same salt, except those wholly inside the first `num_shared_messages` messages (a preset
+        system prompt everyone shares). Raises (queueing nothing) on an empty or too long prompt."""
+        shared: list[int] = []
+        if prompt and isinstance(prompt, list) and isinstance(prompt[0], dict):
+            if cache_salt is not None and num_shared_messages > 0:
+                shared = self.encode(self.tokenizer.apply_chat_template(
+                    prompt[:num_shared_messages], add_generation_prompt=False, tokenize=False))
+            prompt = self.apply_chat_template(prompt)
+        token_ids = self.encode(prompt)
+        # Only tokens the shared messages alone produce, and the full prompt starts with, are shared.
+        num_shared = next((i for i, (a, b) in enumerate(zip(shared, token_ids)) if a != b),
+                          min(len(shared), len(token_ids)))
+        request = Request(request_id, token_ids, params, eos_token_id=self.eos_token_id, cache_salt=cache_salt,
+                          num_shared_prefix_tokens=num_shared if cache_salt is not None else 0)
         self.scheduler.add_request(request)
         return request
 

@@ -15,8 +15,10 @@ def make(**config) -> tuple[Scheduler, SimulatedRunner]:
     return Scheduler(cfg), SimulatedRunner(cfg, vocab_size=VOCAB)
 
 
-def request(rid: str, prompt: list[int], max_tokens: int = 8, **params) -> Request:
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_id=EOS)
+def request(rid: str, prompt: list[int], max_tokens: int = 8, cache_salt: str | None = None,
+            num_shared_prefix_tokens: int = 0, **params) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_id=EOS,
+                   cache_salt=cache_salt, num_shared_prefix_tokens=num_shared_prefix_tokens)
 
 
 def run(scheduler: Scheduler, runner: SimulatedRunner, max_steps: int = 10_000, on_step=None) -> dict[str, Request]:

@@ -128,3 +128,27 @@ def test_first_tokens_are_recorded_once_per_request_with_their_wait(client):
     wait_until_idle(client)
     assert [f.request_id for f in client.recent_first_tokens()].count("aborted") <= 1
     assert client._submitted == {}
+
+
+def test_users_share_the_preset_system_prompt_blocks_and_nothing_after_them(client, tokenizer):
+    system = {"role": "system", "content": "You are a careful assistant for a team of engineers. " * 6}
+    turn = [system, {"role": "user", "content": "Explain how a paged KV cache stores the keys and values, " * 3}]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def cached(user: str) -> int:
+        deltas = list(client.submit(turn, params, cache_salt=user, num_shared_messages=1))
+        return deltas[-1].usage.cached_tokens
+
+    def count(messages, generation_prompt: bool) -> int:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+    shared_tokens = count([system], False)
+    preset_blocks_tokens = shared_tokens // 16 * 16
+    prompt_tokens = count(turn, True)
+    assert preset_blocks_tokens >= 16 and prompt_tokens >= preset_blocks_tokens + 32
+    cached("ada")  # her blocks, salted with "ada" after the preset
+    assert cached("ada") == (prompt_tokens - 1) // 16 * 16   # all her own full blocks
+    assert cached("bob") == preset_blocks_tokens              # the same text: only the preset's blocks
+    assert cached("bob") == (prompt_tokens - 1) // 16 * 16   # his own, now cached
+    wait_until_idle(client)

@@ -121,3 +121,46 @@ def test_a_long_shared_prompt_in_chunks_is_still_computed_once():
     run(sched, runner, on_step=lambda out: [computed.__setitem__(s.request_id, computed[s.request_id] + s.num_new_tokens)
                                             for s in out.scheduled])
     assert computed["b"] <= 4 + 2  # its last partial block and decode only
+
+
+def _cached_after(sched, runner, rid: str, prompt: list[int], salt, shared: int) -> int:
+    sched.add_request(request(rid, prompt, max_tokens=2, ignore_eos=True, cache_salt=salt,
+                              num_shared_prefix_tokens=shared))
+    done = run(sched, runner)
+    return done[rid].num_cached_tokens
+
+
+def test_a_salted_prompt_shares_only_the_blocks_wholly_inside_the_shared_prefix():
+    sched, runner = make(num_device_blocks=64)
+    # 10 shared tokens over blocks of 4: blocks 0-1 are shared, block 2 straddles the boundary
+    # (2 shared tokens, then the user's) and is the user's, like everything after it.
+    prompt = SYSTEM[:10] + [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    assert _cached_after(sched, runner, "ada-1", prompt, "ada", 10) == 0
+    assert _cached_after(sched, runner, "ada-2", prompt, "ada", 10) == 16  # her own four full blocks
+    assert _cached_after(sched, runner, "bob-1", prompt, "bob", 10) == 8   # the preset's two, nothing more
+    assert _cached_after(sched, runner, "anon", prompt, None, 0) == 8      # unsalted: the preset, not theirs
+    assert _cached_after(sched, runner, "bob-2", prompt, "bob", 10) == 16  # bob's own, now cached
+
+
+def test_the_same_text_from_another_user_never_hits_even_with_no_shared_prefix():
+    sched, runner = make(num_device_blocks=64)
+    prompt = SYSTEM + [50, 51]
+    assert _cached_after(sched, runner, "u1", prompt, "u1", 0) == 0
+    assert _cached_after(sched, runner, "u2", prompt, "u2", 0) == 0
+    assert _cached_after(sched, runner, "u1-again", prompt, "u1", 0) == 12
+    hashes = {info.block_hash for info in sched.block_map().device if info.block_hash is not None}
+    assert len(hashes) == 6  # three blocks each, none in common
+
+
+def test_forked_samples_keep_their_parents_salt():
+    sched, runner = make(num_device_blocks=64)
+    prompt = SYSTEM + [60, 61, 62]
+    sched.add_request(request("p", prompt, max_tokens=9, ignore_eos=True, n=2, cache_salt="ada",
+                              num_shared_prefix_tokens=8))
+    done = run(sched, runner)
+    child = done["p#1"]
+    assert child.cache_salt == "ada" and child.num_shared_prefix_tokens == 8
+    # The child's own later blocks were registered under ada's salt: ada hits them, bob does not.
+    long_prompt = prompt + child.output_token_ids
+    assert _cached_after(sched, runner, "ada-2", long_prompt, "ada", 8) > 12
+    assert _cached_after(sched, runner, "bob", long_prompt, "bob", 8) == 8

@@ -34,7 +34,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, max_blocks)
+        self._hash_blocks(request, max_blocks)
         hits: list[Block] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.device.lookup(block_hash)
@@ -42,6 +42,10 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def _hash_blocks(self, request: Request, num_blocks: int) -> None:
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_blocks,
+                            request.cache_salt, request.num_shared_prefix_tokens // self.block_size)
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += request.num_tokens
@@ -52,7 +56,7 @@ class KVCacheManager:
         num_full = request.num_computed_tokens // self.block_size
         if num_full <= request.num_registered_blocks:
             return
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_full)
+        self._hash_blocks(request, num_full)
         blocks = self.device.blocks
         for i in range(request.num_registered_blocks, num_full):
             self.device.register(blocks[request.block_ids[i]], request.block_hashes[i])

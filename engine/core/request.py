@@ -38,6 +38,10 @@ class Request:
     # is computed, sharing its blocks.
     parent_id: str | None = None
     sample_index: int = 0
+    # Prefix-cache isolation (engine/core/block_hash.py): the blocks after the first
+    # `num_shared_prefix_tokens` tokens are salted with `cache_salt`, usually the user.
+    cache_salt: str | None = None
+    num_shared_prefix_tokens: int = 0
 
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)
@@ -68,6 +72,9 @@ class Request:
         self.max_total_tokens = self.num_prompt_tokens + params.max_tokens
         self.arrival = next(_arrivals)
         self.arrival_time = time.monotonic()
+        if not 0 <= self.num_shared_prefix_tokens <= self.num_prompt_tokens:
+            raise ValueError(f"num_shared_prefix_tokens must be within the prompt's {self.num_prompt_tokens} "
+                             f"tokens, got {self.num_shared_prefix_tokens}")
         if self.sampling_params.n > 1 and self.sample_index == 0:
             self.parent_id = self.request_id
 

@@ -282,7 +282,8 @@ class Scheduler:
     def _fork(self, parent: Request, index: int) -> Request:
         parent.forked = True
         child = Request(f"{parent.request_id}#{index}", parent.prompt_token_ids, parent.sampling_params,
-                        parent.eos_token_id, parent_id=parent.request_id, sample_index=index)
+                        parent.eos_token_id, parent_id=parent.request_id, sample_index=index,
+                        cache_salt=parent.cache_salt, num_shared_prefix_tokens=parent.num_shared_prefix_tokens)
         child.arrival, child.arrival_time = parent.arrival, parent.arrival_time
         child.num_cached_tokens = parent.num_cached_tokens
         child.max_total_tokens = parent.max_total_tokens
