@@ -24,15 +24,17 @@ from ui.panel.feed import PanelFeed
 
 
 def build_app(client: EngineClient, store: Store, feed: PanelFeed | None = None,
-              load: LoadGenerator | None = None) -> gr.Blocks:
+              load: LoadGenerator | None = None, host: str | None = None) -> gr.Blocks:
     """The whole app around an engine client and a store, queued but not launched: the chat at
     / and the engine panel at /panel. Pass `feed` and `load` to stop them yourself; otherwise
-    they end with the client (the feed's sampler stops, the synthetic users' submits fail)."""
+    they end with the client (the feed's sampler stops, the synthetic users' submits fail).
+    `host`: the address it will be launched on (default: Gradio's, $GRADIO_SERVER_NAME or
+    127.0.0.1); on a loopback address whoever reaches the app may run the load generator."""
     feed = (feed or PanelFeed(client)).start()
     load = load or LoadGenerator(client)
     demo = build_chat(client, store)
     with demo.route("Engine panel", "panel"):
-        build_panel(feed, load)
+        build_panel(feed, load, host or os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     # Streaming events set concurrency_limit=None themselves; the rest (storage calls) are quick.
     demo.queue(default_concurrency_limit=64)
     return demo
@@ -69,8 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     feed, load = PanelFeed(client), LoadGenerator(client)
     try:
         # Each streaming reply holds a worker thread while it waits for its next token.
-        build_app(client, Store(args.db), feed, load).launch(server_name=args.host, server_port=args.port,
-                                                             max_threads=256)
+        build_app(client, Store(args.db), feed, load, host=args.host).launch(
+            server_name=args.host, server_port=args.port, max_threads=256)
     finally:
         load.stop()
         feed.close()

@@ -10,6 +10,7 @@ import time
 import pytest
 
 pytest.importorskip("gradio")
+from served_app import served_with_load  # noqa: E402
 from web_browser import Browser, browser, png_size, screenshot_target, serve, set_slider, sync_api  # noqa: E402,F401
 
 expect = sync_api.expect
@@ -20,22 +21,9 @@ LOAD_TIMEOUT_MS = 90_000
 
 @pytest.fixture(scope="module")
 def panel_app(tiny_model_dir, tmp_path_factory):
-    from engine.client import EngineClient
-    from engine.llm_engine import LLMEngine
-    from storage import Store
-    from ui.panel.load_generator import LoadGenerator
-    from ui.panel.feed import PanelFeed
-
-    client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=DEVICE_BLOCKS, num_cpu_blocks=HOST_BLOCKS))
-    feed, load = PanelFeed(client, interval_s=0.5), LoadGenerator(client)
-    demo, url = serve(client, Store(tmp_path_factory.mktemp("panel") / "chat.db"), feed, load)
-    try:
-        yield client, load, url
-    finally:
-        load.stop()
-        demo.close()
-        feed.close()
-        client.close()
+    with served_with_load(tiny_model_dir, tmp_path_factory.mktemp("panel") / "chat.db", DEVICE_BLOCKS, HOST_BLOCKS,
+                          interval_s=0.5) as served:
+        yield served
 
 
 def metric(page, name: str) -> str:
@@ -104,6 +92,35 @@ def test_the_panel_shows_load_preemption_sharing_and_blocks_coming_back(browser,
     assert stats.num_running == stats.num_waiting == stats.num_swapped == 0
     profile.context.close()
     assert profile.errors == []
+
+
+def test_a_visitor_sees_no_load_controls_until_giving_the_admin_token(browser, tiny_model_dir, tmp_path, monkeypatch):
+    """On an app decided as public (bound to 0.0.0.0; the test reaches it on 127.0.0.1)."""
+    from ui.panel.operator import TOKEN_ENV
+
+    monkeypatch.setenv(TOKEN_ENV, "let-me-operate")
+    with served_with_load(tiny_model_dir, tmp_path / "chat.db", DEVICE_BLOCKS, HOST_BLOCKS, host="0.0.0.0",
+                          interval_s=0.5) as (client, load, url):
+        profile = Browser(browser, url)
+        page = profile.open("panel")
+        token = page.get_by_label("Admin token (to run the load generator)")
+        expect(token).to_be_visible()
+        expect(page.locator("#load-status")).to_contain_text("not started")
+        expect(page.locator("#load-start")).to_be_hidden()
+        expect(page.locator("#load-stop")).to_be_hidden()
+        token.fill("a guess")
+        token.press("Enter")
+        expect(page.get_by_text("That is not the admin token.")).to_be_visible()
+        expect(page.locator("#load-start")).to_be_hidden()
+        token.fill("let-me-operate")
+        token.press("Enter")
+        page.locator("#load-start").click()
+        expect(page.locator("#load-status [data-running=true]")).to_be_visible()
+        page.locator("#load-stop").click()
+        expect(page.locator("#load-status [data-running=false]")).to_contain_text("stopped")
+        assert not load.status().running
+        profile.context.close()
+        assert profile.errors == []
 
 
 def test_screenshot_of_the_panel_under_load(browser, tmp_path):

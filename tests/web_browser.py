@@ -6,11 +6,11 @@ module is skipped with the reason."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
+from served_app import free_port, serve  # noqa: F401  (the browser tests' server)
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
@@ -24,21 +24,6 @@ TIMEOUT_MS = 30_000
 if not os.path.exists(CHROMIUM):
     pytest.skip(f"no {CHROMIUM}: run `make browser` (as root) to install Debian's chromium",
                 allow_module_level=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(client, store, feed=None, load=None) -> tuple[object, str]:
-    from app import build_app
-
-    demo = build_app(client, store, feed, load)
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    return demo, f"http://127.0.0.1:{port}/"
 
 
 @pytest.fixture(scope="module")

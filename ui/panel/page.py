@@ -4,9 +4,13 @@ snapshots (via the shared PanelFeed); ui/panel/view.py turns them into what is d
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import gradio as gr
 
 from ui import presets
+from ui.panel import operator
 from ui.panel import view as panel_view
 from ui.panel.load_generator import LOAD_SYSTEM_PROMPT, MAX_USERS, LoadGenerator
 from ui.panel.feed import PanelFeed
@@ -23,10 +27,31 @@ COLORS = {"device used": "#2563eb", "device cached": "#7dd3fc", "host used": "#f
           "out to host": "#f97316", "in from host": "#16a34a", "first token": "#64748b"}
 
 
-def build_panel(feed: PanelFeed, load: LoadGenerator) -> None:
-    """Declare the panel in the current Blocks (or page) context."""
+def build_panel(feed: PanelFeed, load: LoadGenerator, host: str = "127.0.0.1",
+                env: Mapping[str, str] = os.environ) -> None:
+    """Declare the panel in the current Blocks (or page) context. `host`: the address the app is
+    bound to; with `env` (read at each call), it decides who may run the load generator
+    (ui/panel/operator.py)."""
     client = feed.client
     info = client.info()
+
+    def operating(token: str | None, profile: gr.OAuthProfile | None) -> bool:
+        return operator.may_operate(host, profile.username if profile is not None else None, token, env)
+
+    def checked_operator(token: str | None, profile: gr.OAuthProfile | None) -> None:
+        if not operating(token, profile):
+            raise gr.Error(operator.REFUSAL)
+
+    def on_open(profile: gr.OAuthProfile | None = None):
+        """The controls for the operator; for anyone else, the token box if a token is set."""
+        allowed = operating(None, profile)
+        return gr.Row(visible=allowed), gr.Textbox(visible=not allowed and bool(env.get(operator.TOKEN_ENV)))
+
+    def on_token(token: str, profile: gr.OAuthProfile | None = None):
+        allowed = operating(token, profile)
+        if token and not allowed:
+            gr.Warning("That is not the admin token.")
+        return gr.Row(visible=allowed)
 
     def on_tick(freeze: bool, shown: int | None):
         history = feed.history()
@@ -42,23 +67,28 @@ def build_panel(feed: PanelFeed, load: LoadGenerator) -> None:
         return (panel_view.header_html(history, info, first_tokens), *frames.values(), grid,
                 panel_view.load_status_html(load.status()), shown)
 
-    def on_start(users: float, prompt: str, max_tokens: float):
+    def on_start(users: float, prompt: str, max_tokens: float, token: str | None = None,
+                 profile: gr.OAuthProfile | None = None):
+        checked_operator(token, profile)
         try:
             load.start(int(users), LOAD_PROMPTS.get(prompt, LOAD_SYSTEM_PROMPT), int(max_tokens))
         except ValueError as error:
             raise gr.Error(str(error)) from None
         return panel_view.load_status_html(load.status())
 
-    def on_stop():
+    def on_stop(token: str | None = None, profile: gr.OAuthProfile | None = None):
+        checked_operator(token, profile)
         load.stop()
         return panel_view.load_status_html(load.status())
 
     gr.HTML(f"<style>{panel_view.PANEL_CSS}</style>", padding=False)  # the styles of the HTML below
     gr.Markdown("## Engine panel\nThe KV cache as the scheduler moves it, refreshed every second. "
-                "Start the load generator to watch batching, prefix hits, preemption and swapping.")
+                "The operator's load generator shows batching, prefix hits, preemption and swapping.")
     header = gr.HTML(panel_view.header_html(feed.history(), info, client.recent_first_tokens()),
                      elem_id="panel-header")
-    with gr.Row():
+    token = gr.Textbox(label="Admin token (to run the load generator)", type="password", visible=False,
+                       elem_id="admin-token")
+    with gr.Row(visible=False) as controls:  # shown to the operator only (on_open)
         users = gr.Slider(1, MAX_USERS, value=DEFAULT_USERS, step=1, label="Synthetic users", scale=2)
         prompt = gr.Dropdown(list(LOAD_PROMPTS), value=next(iter(LOAD_PROMPTS)), label="Their shared system prompt",
                              scale=2)
@@ -86,5 +116,7 @@ def build_panel(feed: PanelFeed, load: LoadGenerator) -> None:
     timer = gr.Timer(feed.interval_s)
     timer.tick(on_tick, [freeze, shown_map], [header, *plots, block_map, load_status, shown_map],
                show_progress="hidden", api_visibility="private")
-    start.click(on_start, [users, prompt, max_tokens], [load_status], api_name="start_load")
-    stop.click(on_stop, None, [load_status], api_name="stop_load")
+    gr.on(None, on_open, None, [controls, token], api_visibility="private")  # on page load
+    token.submit(on_token, [token], [controls], api_visibility="private")
+    start.click(on_start, [users, prompt, max_tokens, token], [load_status], api_name="start_load")
+    stop.click(on_stop, [token], [load_status], api_name="stop_load")

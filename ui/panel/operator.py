@@ -1,0 +1,47 @@
+"""Who may run the load generator: the operator, never a passing visitor.
+
+Sixty-four synthetic users starve real chats, so on a shared server (a team machine, a public
+Space) starting or stopping them is the operator's: whoever reaches an app bound to a loopback
+address (it is their own machine), the Space's owner signed in with Hugging Face, or whoever gives
+the admin token set in the environment. Everyone else sees no controls, and the handlers (the API
+included) refuse them.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from collections.abc import Mapping
+
+TOKEN_ENV = "PAGEDCHAT_ADMIN_TOKEN"
+OWNER_ENV = "SPACE_AUTHOR_NAME"  # set by Hugging Face on a Space: the user or org that owns it
+REFUSAL = ("The load generator is for the operator of this server: run the app on your own machine, "
+           "sign in as the Space's owner, or give the admin token.")
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether an app bound to `host` is reachable only from this machine."""
+    if not host:
+        return False
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def may_operate(bound_host: str | None, profile_username: str | None, given_token: str | None,
+                env: Mapping[str, str]) -> bool:
+    """Whether this caller may start and stop the load generator (see the module's docstring).
+    An unset or empty token or owner name lets no one in by that way."""
+    if is_loopback(bound_host):
+        return True
+    owner = env.get(OWNER_ENV) or ""
+    if owner and profile_username and hmac.compare_digest(_bytes(profile_username), _bytes(owner)):
+        return True
+    token = env.get(TOKEN_ENV) or ""
+    return bool(token and given_token) and hmac.compare_digest(_bytes(given_token), _bytes(token))
+
+
+def _bytes(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")  # a lone surrogate (JSON allows it) compares, never raises
