@@ -2,7 +2,7 @@
 sessions at once, as browsers would."""
 from __future__ import annotations
 
-import socket
+import json
 import threading
 import time
 import uuid
@@ -10,17 +10,14 @@ import uuid
 import pytest
 
 gr = pytest.importorskip("gradio")
+import httpx  # noqa: E402
 from gradio_client import Client  # noqa: E402
+from gradio_client.exceptions import AppError  # noqa: E402
+from served_app import serve  # noqa: E402
 
 from engine import SamplingParams  # noqa: E402
 
 MAX_TOKENS = 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def new_user() -> str:
@@ -29,18 +26,15 @@ def new_user() -> str:
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    from app import build_app
     from engine.client import EngineClient
     from engine.llm_engine import LLMEngine
     from storage import Store
 
     client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=128, num_cpu_blocks=64))
     store = Store(tmp_path_factory.mktemp("app") / "chat.db")
-    demo = build_app(client, store)
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    demo, url = serve(client, store)
     try:
-        yield client, store, f"http://127.0.0.1:{port}/"
+        yield client, store, url
     finally:
         demo.close()
         client.close()
@@ -184,4 +178,180 @@ def test_regenerate_edit_rename_search_delete(served):
 
     session.predict(user, conversation_id, "", api_name="/delete_chat")
     assert store.conversations(user) == []
+    session.close()
+
+
+# ---- bad input through the real API: a clear error, and nothing stored wrongly ----------------------
+NOT_YOURS = "That conversation doesn't exist or isn't yours."
+GREEDY = (0.0, 1.0, MAX_TOKENS)
+
+
+def stored(store, user: str) -> list[tuple[str, str]]:
+    """Every (role, content) the user has, conversation by conversation."""
+    return [(m["role"], m["content"]) for c in store.conversations(user) for m in store.messages(user, c["id"])]
+
+
+def refused_send(url: str, *args) -> str:
+    """The message of the gr.Error that /send answers `args` with (it must raise one)."""
+    session = Client(url, verbose=False)
+    try:
+        with pytest.raises(AppError) as refused:
+            session.predict(*args, api_name="/send")
+        return refused.value.message
+    finally:
+        session.close()
+
+
+def raw_call(url: str, api_name: str, body: str) -> tuple[str, object]:
+    """POST a JSON body as written (gradio_client cannot send NaN, infinities or lone
+    surrogates: httpx refuses to encode them) to Gradio's REST API; the final event and its data."""
+    with httpx.Client(base_url=url, timeout=60) as http:
+        event_id = http.post(f"gradio_api/call/{api_name}", content=body,
+                             headers={"content-type": "application/json"}).json()["event_id"]
+        event = None
+        with http.stream("GET", f"gradio_api/call/{api_name}/{event_id}") as events:
+            for line in events.iter_lines():
+                if line.startswith("event:"):
+                    event = line.split(":", 1)[1].strip()
+                elif line.startswith("data:") and event in ("complete", "error"):
+                    return event, json.loads(line.split(":", 1)[1])
+    pytest.fail(f"{api_name} never finished")
+
+
+@pytest.mark.parametrize("message, shown", [
+    ("", "Type a message first."),
+    (" \n\t  ", "Type a message first."),
+])
+def test_empty_messages_are_refused(served, message, shown):
+    client, store, url = served
+    user = new_user()
+    assert refused_send(url, user, None, message, "None", "", *GREEDY) == shown
+    assert stored(store, user) == []
+
+
+@pytest.mark.parametrize("temperature, top_p, max_tokens, shown", [
+    (-0.5, 1.0, 24, "Value -0.5 is less than minimum value 0.0."),   # Gradio's slider bounds
+    (1e308, 1.0, 24, "Value 1e+308 is greater than maximum value 2.0."),
+    (0.0, 0.0, 24, "Value 0.0 is less than minimum value 0.05."),
+    (0.0, 1.0, -5, "Value -5 is less than minimum value 1."),
+    (0.0, 1.0, 10**9, "Value 1000000000 is greater than maximum value 4096."),
+    (0.0, 1.0, 16.5, "max new tokens must be a whole number, got 16.5"),
+])
+def test_sampling_parameters_out_of_range_are_refused(served, temperature, top_p, max_tokens, shown):
+    client, store, url = served
+    user = new_user()
+    assert refused_send(url, user, None, "Hello", "None", "", temperature, top_p, max_tokens) == shown
+    assert stored(store, user) == []
+
+
+@pytest.mark.parametrize("sliders, shown", [
+    ("NaN, 1.0, 24", "temperature must be between 0.0 and 2.0, got nan"),
+    ("0.0, NaN, 24", "top_p must be between 0.05 and 1.0, got nan"),
+    ("0.0, 1.0, NaN", "max new tokens must be between 1 and 4096, got nan"),
+    ("Infinity, 1.0, 24", "Value inf is greater than maximum value 2.0."),
+    ("-Infinity, 1.0, 24", "Value -inf is less than minimum value 0.0."),
+    ("0.0, 1.0, Infinity", "Value inf is greater than maximum value 4096."),
+])
+def test_nan_and_infinite_sampling_parameters_are_refused(served, sliders, shown):
+    client, store, url = served
+    user = new_user()
+    event, data = raw_call(url, "send", f'{{"data": ["{user}", null, "Hello", "None", "", {sliders}]}}')
+    assert event == "error" and shown in str(data), (event, data)
+    assert stored(store, user) == []
+
+
+def test_a_lone_surrogate_is_refused(served):
+    """JSON can carry half a UTF-16 pair; Python then holds a str that neither the tokenizer nor
+    SQLite can encode. gradio_client cannot send one (httpx will not encode it): posted raw."""
+    client, store, url = served
+    user = new_user()
+    event, data = raw_call(url, "send", f'{{"data": ["{user}", null, "half \\ud800 a pair", "None", "", 0.0, 1.0, 24]}}')
+    assert event == "error" and "The message has characters that are not valid text" in str(data), (event, data)
+    assert stored(store, user) == []
+
+
+@pytest.fixture(scope="module")
+def victim(served):
+    """Another user's conversation, to aim at."""
+    client, store, url = served
+    user = new_user()
+    session, job = send(url, user, "My private chat")
+    _, conversation_id, _ = job.result(timeout=60)
+    session.close()
+    return user, conversation_id
+
+
+@pytest.mark.parametrize("which", ["another user's", "negative", "zero", "huge", "beyond SQLite", "fractional",
+                                   "text"])
+def test_conversation_ids_that_are_not_the_users_are_refused(served, victim, which):
+    client, store, url = served
+    owner, theirs = victim
+    before = stored(store, owner)
+    wrong, shown = {"another user's": (theirs, NOT_YOURS), "negative": (-theirs, NOT_YOURS), "zero": (0, NOT_YOURS),
+                    "huge": (2**63 - 1, NOT_YOURS), "beyond SQLite": (10**30, NOT_YOURS),
+                    "fractional": (1.5, "A conversation id is a whole number, not 1.5."),
+                    "text": ("seven", "A conversation id is a whole number, not 'seven'.")}[which]
+    user = new_user()
+    assert refused_send(url, user, wrong, "Let me in", "None", "", *GREEDY) == shown
+    session = Client(url, verbose=False)
+    for api_name, args in (("/regenerate", (user, wrong, *GREEDY)), ("/edit_last", (user, wrong, "Mine", *GREEDY)),
+                           ("/rename", (user, wrong, "Taken", "")), ("/delete_chat", (user, wrong, ""))):
+        with pytest.raises(AppError) as refused:
+            session.predict(*args, api_name=api_name)
+        assert refused.value.message == shown, api_name
+    session.close()
+    assert stored(store, user) == [] and stored(store, owner) == before
+
+
+def test_a_100k_character_message_is_refused_as_too_long(served):
+    """The engine refuses a prompt longer than its KV cache: the chat says so, the text stays in
+    the box to be shortened, and no conversation is created."""
+    client, store, url = served
+    user = new_user()
+    text = ("lorem ipsum " * 10_000)[:100_000]
+    session = Client(url, verbose=False)
+    chat_view, conversation_id, box = session.predict(user, None, text, "None", "", *GREEDY, api_name="/send")
+    session.close()
+    assert "This conversation is too long for the model's memory" in shown_text(chat_view)
+    assert conversation_id is None and box == text
+    assert store.conversations(user) == [] and stored(store, user) == []
+
+
+def test_control_characters_are_stored_as_sent_and_html_is_shown_as_text(served):
+    client, store, url = served
+    user = new_user()
+    odd = "NUL \x00 bell \x07 escape \x1b[31m vertical tab \x0b DEL \x7f end"
+    session, job = send(url, user, odd)
+    _, conversation_id, _ = job.result(timeout=60)
+    assert stored(store, user)[0] == ("user", odd)
+
+    html = '<img src=x onerror="alert(1)"><script>alert(2)</script>'
+    chat_view, same_id, _ = session.predict(user, conversation_id, html, "None", "", *GREEDY, api_name="/send")
+    session.close()
+    assert same_id == conversation_id and stored(store, user)[2] == ("user", html)  # verbatim
+    shown = shown_text(chat_view[2:3])
+    assert "<script>" not in shown and "<img" not in shown and "&lt;script&gt;" in shown
+
+
+@pytest.mark.parametrize("query", ['"', '""', "NOT", "a OR", "*", "NEAR(", "NEAR(a b", "fox*", "title:fox",
+                                   "a AND (b", "-fox", "^fox", "\x00", "'; drop table messages; --"])
+def test_search_with_fts_syntax_finds_or_finds_nothing_never_fails(served, query):
+    client, store, url = served
+    user = new_user()
+    session, job = send(url, user, 'The quick fox said "NOT" a OR b * NEAR( twice')
+    _, conversation_id, _ = job.result(timeout=60)
+    found = session.predict(user, query, conversation_id, api_name="/search")
+    session.close()
+    assert [choice[1] for choice in found["choices"]] in ([], [conversation_id])
+    assert stored(store, user)[0][1].startswith("The quick fox")
+
+
+def test_fts_words_in_search_are_words(served):
+    client, store, url = served
+    user = new_user()
+    session, job = send(url, user, "Notes on NEAR and NOT operators")
+    _, conversation_id, _ = job.result(timeout=60)
+    for query in ("NOT", "NEAR(", '"operators"'):
+        found = session.predict(user, query, conversation_id, api_name="/search")
+        assert [choice[1] for choice in found["choices"]] == [conversation_id], query
     session.close()

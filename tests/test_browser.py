@@ -126,6 +126,45 @@ def test_reply_streams_into_the_chat(served, profiles):
     assert messages[1]["finish_reason"] in ("stop", "length") and not messages[1]["stopped"]
 
 
+def button(page, name: str):
+    return page.get_by_role("button", name=name, exact=True)
+
+
+def expect_controls(page, replying: bool) -> None:
+    """Only Stop while a reply streams; everything but Stop otherwise."""
+    for name in ("Send", "🔄 Regenerate last reply", "Resend edited message"):
+        (expect(button(page, name)).to_be_disabled if replying else expect(button(page, name)).to_be_enabled)()
+    (expect(button(page, "Stop")).to_be_enabled if replying else expect(button(page, "Stop")).to_be_disabled)()
+
+
+def test_only_stop_is_enabled_while_a_reply_streams(served, profiles):
+    _, store, _ = served
+    page = profiles().open()
+    page.get_by_text("Edit your last message and resend").click()  # Resend is in this accordion
+    expect_controls(page, replying=False)
+    set_params(page, max_tokens=400)
+    send(page, "Keep the buttons still")
+    expect(bubbles(page, "bot")).to_have_count(1)
+    assert DONE not in bubbles(page, "bot").last.inner_text()
+    expect_controls(page, replying=True)
+    wait_for_reply(page, 1)
+    expect_controls(page, replying=False)
+
+    # The same for Enter in the message box and for Regenerate.
+    page.get_by_placeholder("Message PagedChat…").fill("Enter sends too")
+    page.get_by_placeholder("Message PagedChat…").press("Enter")
+    expect(bubbles(page, "bot")).to_have_count(2)
+    expect_controls(page, replying=True)
+    wait_for_reply(page, 2)
+    expect_controls(page, replying=False)
+    button(page, "🔄 Regenerate last reply").click()
+    expect_controls(page, replying=True)
+    wait_for_reply(page, 2)
+    expect_controls(page, replying=False)
+    user, conversation_id = owner_and_id(store, "Keep the buttons still")
+    assert [m["role"] for m in store.messages(user, conversation_id)] == ["user", "assistant"] * 2
+
+
 def test_stop_ends_the_reply_and_frees_its_blocks(served, profiles):
     client, store, _ = served
     profile = profiles()
@@ -149,8 +188,10 @@ def test_stop_ends_the_reply_and_frees_its_blocks(served, profiles):
     else:
         pytest.fail(f"the stopped reply was not stored or its blocks not freed: {client.stats()}")
     stored = messages[-1]
-    assert stored["stopped"] and stored["finish_reason"] == "abort"
+    assert stored["stopped"] and stored["finish_reason"] == "abort", {k: stored[k] for k in ("stopped", "finish_reason", "completion_tokens")}
     assert 0 < stored["completion_tokens"] < 1000
+    expect(button(page, "Send")).to_be_enabled()  # after Stop, Send again and no Stop
+    expect(button(page, "Stop")).to_be_disabled()
 
     # The live view is redrawn from the store: the reply says it was stopped, and nothing more arrives.
     expect(bubbles(page, "bot").last).to_contain_text("stopped")

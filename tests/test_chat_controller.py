@@ -3,14 +3,18 @@ store. Replies are greedy; the tiny model's text is gibberish, so the tests asse
 shown and stored, never what is said."""
 from __future__ import annotations
 
+import gc
+import threading
 import time
 import uuid
 
 import pytest
 
 from engine import EngineClient, LLMEngine, decode_rate
-from storage import NotFound, Store
-from ui.conversation import ChatController, ChatInputError, ChatView, last_user_index, last_user_message
+from engine.outputs import Delta
+from storage import Store
+from ui.conversation import (BUSY, NOT_YOURS, ChatController, ChatInputError, ChatView, last_user_index,
+                             last_user_message)
 from ui.presets import PRESETS
 
 SYSTEM = PRESETS["Helpful assistant"]
@@ -114,6 +118,23 @@ def test_a_second_turn_hits_the_prefix_cache(chat, store, client):
     assert second["cached_tokens"] > 0
     assert second["cached_tokens"] >= block * (first["prompt_tokens"] // block)  # the whole first prompt
     assert second["prompt_tokens"] > first["prompt_tokens"] + first["completion_tokens"]
+
+
+def test_another_user_sending_the_same_text_hits_only_the_preset_blocks(chat, store, client, tokenizer):
+    # The same opening message from two users: the second is served the preset system prompt's
+    # full blocks from the cache, and none of the first user's blocks after them.
+    text = "Tell me, in detail, how lighthouses were kept lit before electricity. " * 3
+    ada, bob = new_user(), new_user()
+    ada_chat = turn(chat, ada, text)[-1].conversation_id
+    bob_chat = turn(chat, bob, text)[-1].conversation_id
+    system = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}], tokenize=False)
+    block = client.info().block_size
+    preset_tokens = len(tokenizer(system, add_special_tokens=False).input_ids) // block * block
+    ada_first, bob_first = store.messages(ada, ada_chat)[1], store.messages(bob, bob_chat)[1]
+    assert ada_first["prompt_tokens"] == bob_first["prompt_tokens"] >= preset_tokens + 2 * block
+    assert bob_first["cached_tokens"] == preset_tokens
+    turn(chat, ada, "And after electricity?", ada_chat)
+    assert store.messages(ada, ada_chat)[3]["cached_tokens"] >= ada_first["prompt_tokens"] // block * block
 
 
 def test_a_prompt_too_long_for_the_cache_is_refused_and_stores_nothing(chat, store, client):
@@ -222,18 +243,18 @@ def test_another_users_conversation_is_not_found_and_stays_untouched(chat, store
     conversation_id = turn(chat, alice, "Alice's chat")[-1].conversation_id
     before = store.messages(alice, conversation_id)
 
-    with pytest.raises(NotFound):
-        chat.send(bob, conversation_id, "Let me in", SYSTEM, greedy())
-    with pytest.raises(NotFound):
-        chat.regenerate(bob, conversation_id, greedy())
-    with pytest.raises(NotFound):
-        chat.edit_last(bob, conversation_id, "Mine now", greedy())
-    with pytest.raises(NotFound):
-        chat.rename(bob, conversation_id, "Taken")
-    with pytest.raises(NotFound):
-        chat.delete(bob, conversation_id)
-    with pytest.raises(ChatInputError, match="no longer exists"):
-        chat.open_chat(bob, conversation_id)
+    # Another user's, a negative and a huge id all read the same: nothing says the row exists.
+    for wrong in (conversation_id, -conversation_id, 0, 10**30, 2**63):
+        for attempt in (lambda: chat.send(bob, wrong, "Let me in", SYSTEM, greedy()),
+                        lambda: chat.regenerate(bob, wrong, greedy()),
+                        lambda: chat.edit_last(bob, wrong, "Mine now", greedy()),
+                        lambda: chat.rename(bob, wrong, "Taken"),
+                        lambda: chat.delete(bob, wrong),
+                        lambda: chat.open_chat(bob, wrong),
+                        lambda: chat.after_stop(bob, wrong)):
+            with pytest.raises(ChatInputError) as refused:
+                attempt()
+            assert str(refused.value) == NOT_YOURS
 
     assert store.messages(alice, conversation_id) == before
     assert store.conversation(alice, conversation_id)["title"] == "Alice's chat"
@@ -267,6 +288,164 @@ def test_user_mistakes_raise_chat_input_errors_with_the_page_wording(chat, store
     with pytest.raises(ChatInputError, match="Open a chat and type its new title"):
         chat.rename(user, conversation_id, " ")
     assert issubclass(ChatInputError, ValueError)
+
+
+def test_conversation_ids_that_are_not_whole_numbers_are_refused(chat, store):
+    user = new_user()
+    conversation_id = turn(chat, user, "A chat")[-1].conversation_id
+    before = store.messages(user, conversation_id)
+    for wrong in (1.5, float("nan"), float("inf"), "12", "abc", True, [conversation_id]):
+        with pytest.raises(ChatInputError, match="A conversation id is a whole number"):
+            chat.send(user, wrong, "Hello", SYSTEM, greedy())
+        with pytest.raises(ChatInputError, match="A conversation id is a whole number"):
+            chat.open_chat(user, wrong)
+    assert [c["id"] for c in store.conversations(user)] == [conversation_id]
+    assert store.messages(user, conversation_id) == before
+    # A float that is a whole number (what a JSON client may send) is that id.
+    assert turn(chat, user, "Again", float(conversation_id))[-1].conversation_id == conversation_id
+
+
+def test_text_that_is_not_valid_unicode_is_refused_and_control_characters_are_kept(chat, store):
+    user = new_user()
+    for attempt in (lambda: chat.send(user, None, "half a pair \ud800 here", SYSTEM, greedy()),
+                    lambda: chat.send(user, None, "Hello", "a prompt \udfff", greedy()),
+                    lambda: chat.conversation_choices(user, "\ud800")):
+        with pytest.raises(ChatInputError, match="not valid text"):
+            attempt()
+    assert store.conversations(user) == []
+
+    odd = "NUL \x00 bell \x07 escape \x1b[31m and a tab \t here"
+    conversation_id = turn(chat, user, odd)[-1].conversation_id
+    assert store.messages(user, conversation_id)[0]["content"] == odd  # stored as sent
+    with pytest.raises(ChatInputError, match="not valid text"):
+        chat.rename(user, conversation_id, "\ud800")
+    with pytest.raises(ChatInputError, match="not valid text"):
+        chat.edit_last(user, conversation_id, "\ud800", greedy())
+    assert store.messages(user, conversation_id)[0]["content"] == odd
+
+
+# ---- one reply at a time per conversation ----------------------------------------------------------
+def streaming(chat: ChatController, user: str, conversation_id: int | None = None, max_tokens: int = 500):
+    """A send whose reply has started streaming (its views, and the latest view)."""
+    views = chat.send(user, conversation_id, "Write a very long story about a lighthouse.", SYSTEM, greedy(max_tokens))
+    for view in views:
+        if view.messages[-1]["role"] == "assistant":
+            return views, view
+    pytest.fail("the reply never streamed")
+
+
+def test_a_second_turn_while_a_reply_streams_is_refused_and_changes_nothing(chat, store, client):
+    user, other = new_user(), new_user()
+    conversation_id = turn(chat, user, "First question")[-1].conversation_id
+    elsewhere = turn(chat, user, "Another chat")[-1].conversation_id
+    views, view = streaming(chat, user, conversation_id)
+    assert view.conversation_id == conversation_id and chat.replying(user, conversation_id)
+    before = store.messages(user, conversation_id)
+
+    for attempt in (lambda: chat.send(user, conversation_id, "Me too", SYSTEM, greedy()),
+                    lambda: chat.regenerate(user, conversation_id, greedy()),
+                    lambda: chat.edit_last(user, conversation_id, "Edited", greedy()),
+                    lambda: chat.delete(user, conversation_id)):
+        with pytest.raises(ChatInputError) as refused:
+            attempt()
+        assert str(refused.value) == BUSY
+    assert store.messages(user, conversation_id) == before
+    # Another of the user's chats goes on; another user learns nothing about this one.
+    assert turn(chat, user, "Meanwhile", elsewhere)[-1].conversation_id == elsewhere
+    assert not chat.replying(other, conversation_id)
+    with pytest.raises(ChatInputError, match="doesn't exist"):
+        chat.regenerate(other, conversation_id, greedy())
+
+    rest = list(views)  # the first reply finishes, and is stored; then the chat is free again
+    assert rest and not chat.replying(user, conversation_id)
+    assert roles(store, user, conversation_id) == ["user", "assistant"] * 2
+    list(chat.regenerate(user, conversation_id, greedy()))
+    assert roles(store, user, conversation_id) == ["user", "assistant"] * 2
+    assert engine_idle(client)
+
+
+def test_a_new_chat_is_held_from_its_first_view(chat, store):
+    user = new_user()
+    views, view = streaming(chat, user)
+    with pytest.raises(ChatInputError, match="still being written"):
+        chat.send(user, view.conversation_id, "Me too", SYSTEM, greedy())
+    views.close()
+    assert not chat.replying(user, view.conversation_id)
+
+
+def test_the_turn_is_released_however_the_reply_ends(chat, store, client, monkeypatch):
+    user = new_user()
+    conversation_id = turn(chat, user, "A chat to reuse")[-1].conversation_id
+
+    def free() -> bool:  # the chat takes another turn (refused at once if it is still held)
+        views = chat.regenerate(user, conversation_id, greedy())
+        views.close()
+        return not chat.replying(user, conversation_id)
+
+    list(chat.regenerate(user, conversation_id, greedy()))  # finished
+    assert free()
+    list(chat.send(user, conversation_id, "word " * 3000, SYSTEM, greedy()))  # refused by the engine
+    assert free()
+    views, _ = streaming(chat, user, conversation_id)  # closed mid-stream (Stop)
+    views.close()
+    assert free()
+    views = chat.send(user, conversation_id, "Stopped before it started", SYSTEM, greedy())
+    views.close()  # closed before its first view: an unstarted generator runs no finally
+    assert free() and roles(store, user, conversation_id)[-1] == "assistant"  # nothing was stored
+    views = chat.send(user, conversation_id, "Dropped before it started", SYSTEM, greedy())
+    del views  # dropped unstarted (a disconnect before the handler ran)
+    gc.collect()
+    assert free()
+    with pytest.raises(ChatInputError, match="Type a message first"):  # a mistake, found under the hold
+        chat.send(user, conversation_id, "  ", SYSTEM, greedy())
+    assert free()
+
+    def failing_store(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(store, "replace_last_assistant", failing_store)
+    with pytest.raises(OSError, match="disk full"):  # storing the reply failed
+        list(chat.regenerate(user, conversation_id, greedy()))
+    monkeypatch.undo()
+    assert free()
+    assert engine_idle(client)
+
+
+def test_an_engine_error_ends_the_turn(store):
+    class FailingClient:
+        def submit(self, messages, params, request_id, **options):
+            yield Delta(request_id, 0, "", (), finish_reason="error", error="RuntimeError: boom")
+
+        def abort(self, request_id):
+            pass
+
+    chat, user = ChatController(FailingClient(), store), new_user()
+    views = list(chat.send(user, None, "Fail me", SYSTEM, greedy()))
+    conversation_id = views[-1].conversation_id
+    assert "boom" in views[-1].messages[-1]["content"] and not chat.replying(user, conversation_id)
+    list(chat.regenerate(user, conversation_id, greedy()))  # free again
+    assert roles(store, user, conversation_id) == ["user"]
+
+
+def test_only_one_of_many_concurrent_turns_on_a_chat_starts(chat, store):
+    user = new_user()
+    conversation_id = turn(chat, user, "Race me")[-1].conversation_id
+    started, refused, go = [], [], threading.Barrier(8)
+
+    def attempt() -> None:
+        go.wait()
+        try:
+            started.append(chat.regenerate(user, conversation_id, greedy()))
+        except ChatInputError as error:
+            refused.append(str(error))
+
+    threads = [threading.Thread(target=attempt) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(started) == 1 and refused == [BUSY] * 7
+    list(started[0])
+    assert not chat.replying(user, conversation_id)
 
 
 # ---- the sidebar -------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import gradio as gr
 from engine import EngineClient
 from storage import Store
 from ui import identity, params, presets
-from ui.conversation import ChatController, ChatInputError, ChatView
+from ui.conversation import ChatController, ChatInputError, ChatView, checked_id
 
 # A fixed key and secret keep the browser's id readable across server restarts; the id is
 # the browser's own, so the encryption only guards against casual reading of localStorage.
@@ -37,9 +37,14 @@ def relay(views: Iterator[ChatView], outputs: Callable[[ChatView], tuple]) -> It
     """The controller's views as an event's outputs. Stop cancels the event and Gradio closes
     this generator; closing the controller's at once aborts the engine request and stores the
     partial reply as stopped."""
-    with closing(views):
+    with closing(views), shown_to_user():
         for view in views:
             yield outputs(view)
+
+
+def reply_controls(replying: bool) -> tuple[gr.Button, ...]:
+    """Send, Regenerate and Resend, then Stop: only Stop while a reply is being written."""
+    return (*(gr.Button(interactive=not replying) for _ in range(3)), gr.Button(interactive=replying))
 
 
 def chat_and_id(view: ChatView) -> tuple:
@@ -52,7 +57,8 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
     chat = ChatController(client, store)
 
     def conversation_list(user: str, selected: int | None, query: str = "") -> gr.Radio:
-        return gr.Radio(choices=chat.conversation_choices(user, query), value=selected)
+        with shown_to_user():
+            return gr.Radio(choices=chat.conversation_choices(user, query), value=checked_id(selected))
 
     # ---- handlers ---------------------------------------------------------------------------
     def on_load(stored_id: str | None, profile: gr.OAuthProfile | None = None):
@@ -87,11 +93,21 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
     def on_turn_end(user_id: str, conversation_id: int | None, query: str,
                     profile: gr.OAuthProfile | None = None):
         user = identity.resolve_user(user_id, profile)
-        return conversation_list(user, conversation_id, query), chat.last_user_message(user, conversation_id)
+        with shown_to_user():
+            return conversation_list(user, conversation_id, query), chat.last_user_message(user, conversation_id)
+
+    def on_turn_start():
+        return reply_controls(True)
+
+    def on_settle(user_id: str, conversation_id: int | None, profile: gr.OAuthProfile | None = None):
+        """After a turn (or a refused one, or Stop): the controls as the server sees the chat,
+        so a turn refused while another streams leaves them as that one needs them."""
+        return reply_controls(chat.replying(identity.resolve_user(user_id, profile), conversation_id))
 
     def on_stopped(user_id: str, conversation_id: int | None, profile: gr.OAuthProfile | None = None):
         """After Stop: the chat redrawn from the store once the stopped reply is in it."""
-        return chat.after_stop(identity.resolve_user(user_id, profile), conversation_id)
+        with shown_to_user():
+            return chat.after_stop(identity.resolve_user(user_id, profile), conversation_id)
 
     def on_new_chat():
         return [], None, "", "", gr.Radio(value=None)
@@ -123,7 +139,8 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
     def on_delete_confirm(user_id: str, conversation_id: int | None, query: str,
                           profile: gr.OAuthProfile | None = None):
         user = identity.resolve_user(user_id, profile)
-        chat.delete(user, conversation_id)
+        with shown_to_user():
+            chat.delete(user, conversation_id)
         return [], None, "", conversation_list(user, None, query), gr.Row(visible=False)
 
     def on_delete_cancel():
@@ -136,7 +153,9 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
     with gr.Blocks(title="PagedChat") as demo:
         browser_id = gr.BrowserState("", storage_key=BROWSER_KEY, secret=BROWSER_SECRET)
         user_id = gr.Textbox(visible=False, label="user id")
-        conversation_id = gr.Number(value=None, precision=0, visible=False, label="conversation id")
+        # No precision: Gradio's rounding would turn 1.5 into 2 and fail on text; the controller
+        # checks the id and says what is wrong with it.
+        conversation_id = gr.Number(value=None, visible=False, label="conversation id")
 
         with gr.Sidebar():
             gr.Markdown("## PagedChat")
@@ -158,7 +177,7 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
         with gr.Row():
             message = gr.Textbox(placeholder="Message PagedChat…", show_label=False, scale=8, autofocus=True)
             send = gr.Button("Send", variant="primary", scale=1)
-            stop = gr.Button("Stop", variant="stop", scale=1)
+            stop = gr.Button("Stop", variant="stop", scale=1, interactive=False)
         with gr.Row():
             regenerate = gr.Button("🔄 Regenerate last reply")
         with gr.Accordion("Edit your last message and resend", open=False):
@@ -183,6 +202,15 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
         sampling = [temperature, top_p, max_tokens]
         after_turn = dict(fn=on_turn_end, inputs=[user_id, conversation_id, search],
                           outputs=[conversations, edited], api_visibility="private")
+        # While a reply streams only Stop is enabled: each turn's trigger also disables the others
+        # (unqueued, so it lands before the turn's chain can end), and the chain settles them from
+        # the server's view of the chat once the turn (or Stop) has ended. The turn is the trigger's
+        # own event, not chained after the disabling one: chained, Stop's `cancels` sometimes
+        # missed it and the reply ran on.
+        controls = [send, regenerate, resend, stop]
+        settle = dict(fn=on_settle, inputs=[user_id, conversation_id], outputs=controls, api_visibility="private")
+        for trigger in (send.click, message.submit, regenerate.click, resend.click):
+            trigger(on_turn_start, None, controls, queue=False, api_visibility="private")
         # The engine batches every stream, so the queue must not serialise them.
         streaming = dict(concurrency_limit=None)
         send_inputs = [user_id, conversation_id, message, preset, custom, *sampling]
@@ -194,9 +222,10 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
         resent = resend.click(on_edit, [user_id, conversation_id, edited, *sampling],
                               [chatbot, conversation_id], api_name="edit_last", **streaming)
         for event in (sent, submitted, regenerated, resent):
-            event.then(**after_turn)
+            event.then(**after_turn).then(**settle)
         stop.click(None, None, None, cancels=[sent, submitted, regenerated, resent]).then(
-            on_stopped, [user_id, conversation_id], [chatbot], api_visibility="private").then(**after_turn)
+            on_stopped, [user_id, conversation_id], [chatbot], api_visibility="private").then(
+            **after_turn).then(**settle)
 
         new_chat.click(on_new_chat, None, [chatbot, conversation_id, title, edited, conversations],
                        api_visibility="private")

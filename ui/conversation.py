@@ -1,18 +1,21 @@
 """What the chat page does, without Gradio: the sidebar list, opening, renaming and deleting a
 chat, and the reply flow behind Send, Regenerate and Resend edited message.
 
-Every method names the user; every store call passes it on, so another user's conversation is
-`storage.NotFound`. A user's mistake raises `ChatInputError`, whose text the page shows as is.
-A reply is a generator of `ChatView`s: the page shows each as it comes. Closing the generator
-mid-reply (the Stop button) aborts the engine request and stores the partial reply as stopped.
+Every method names the user; every store call passes it on. A user's mistake raises
+`ChatInputError`, whose text the page shows as is; so does a conversation id that is another
+user's, missing or not a whole number (the store's `NotFound`, worded so as never to say which).
+A reply is an iterator of `ChatView`s: the page shows each as it comes. Closing it mid-reply (the
+Stop button) aborts the engine request and stores the partial reply as stopped. A conversation
+has one reply in progress at a time: a second send, regenerate or edit meanwhile is refused.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator
-from contextlib import closing
+from contextlib import closing, contextmanager
 from typing import NamedTuple
 
 from engine import EngineClient, SamplingParams
@@ -24,6 +27,9 @@ log = logging.getLogger(__name__)
 
 TITLE_CHARS = 48
 STOP_WAIT_S = 5.0
+MAX_CONVERSATION_ID = 2**63 - 1  # SQLite's largest integer: beyond it no row can exist
+NOT_YOURS = "That conversation doesn't exist or isn't yours."
+BUSY = "A reply is still being written in this chat: wait for it or press Stop."
 
 # (temperature, top_p, max new tokens) as the sliders give them; checked by the controller.
 Sliders = tuple[float, float, float]
@@ -33,6 +39,25 @@ SaveReply = Callable[[str, int, str, dict], dict]
 
 class ChatInputError(ValueError):
     """Something the user must change before the page can act; its text is shown to them."""
+
+
+@contextmanager
+def found() -> Iterator[None]:
+    """The store's `NotFound` as the one message a user sees: it never says whether the
+    conversation exists for someone else."""
+    try:
+        yield
+    except NotFound:
+        raise ChatInputError(NOT_YOURS) from None
+
+
+def owned(method):
+    """A controller method whose `NotFound` the user sees as `NOT_YOURS`."""
+    @functools.wraps(method)
+    def checked(*args, **kwargs):
+        with found():
+            return method(*args, **kwargs)
+    return checked
 
 
 class ChatView(NamedTuple):
@@ -52,131 +77,261 @@ class OpenedChat(NamedTuple):
     last_user_message: str
 
 
+class Turn:
+    """One reply's hold on its conversation; `release()` may be called any number of times."""
+
+    def __init__(self, turns: Turns, user: str) -> None:
+        self._turns, self.user = turns, user
+        self._held: list[int] = []
+        self._lock = threading.Lock()
+
+    def hold(self, conversation_id: int) -> None:
+        """Hold `conversation_id`, or ChatInputError(BUSY) if another reply holds it."""
+        self._turns._take(self.user, conversation_id)
+        with self._lock:
+            self._held.append(conversation_id)
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held, []
+        for conversation_id in held:
+            self._turns._release(self.user, conversation_id)
+
+
+class Turns:
+    """The conversations with a reply in progress, one reply each; thread-safe. Conversations
+    are keyed with their owner, so asking about another user's id says nothing."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ending: dict[tuple[str, int], threading.Event] = {}
+
+    def start(self, user: str, conversation_id: int | None) -> Turn:
+        """A turn holding `conversation_id` (a new conversation is held once created)."""
+        turn = Turn(self, user)
+        if conversation_id is not None:
+            turn.hold(conversation_id)
+        return turn
+
+    def busy(self, user: str, conversation_id: int | None) -> bool:
+        with self._lock:
+            return (user, conversation_id) in self._ending
+
+    def wait(self, user: str, conversation_id: int | None, timeout: float) -> None:
+        """Until the conversation's reply (if any) has ended and been stored, or `timeout`."""
+        with self._lock:
+            ended = self._ending.get((user, conversation_id))
+        if ended is not None:
+            ended.wait(timeout=timeout)
+
+    def _take(self, user: str, conversation_id: int) -> None:
+        with self._lock:
+            if (user, conversation_id) in self._ending:
+                raise ChatInputError(BUSY)
+            self._ending[(user, conversation_id)] = threading.Event()
+
+    def _release(self, user: str, conversation_id: int) -> None:
+        with self._lock:
+            ended = self._ending.pop((user, conversation_id))
+        ended.set()
+
+
+class ReplyViews(Iterator[ChatView]):
+    """A reply's views, holding its conversation's turn until they end. The views' generator
+    releases the turn in its `finally` however it ends once started; but closing a generator
+    that never started runs no `finally` (Stop before the first view), so `close()` releases it
+    too, and so does garbage collection of an iterator that was dropped unstarted."""
+
+    def __init__(self, views: Iterator[ChatView], turn: Turn) -> None:
+        self._views = views
+        self._release = weakref.finalize(self, turn.release)  # runs once: here, or on collection
+
+    def __next__(self) -> ChatView:
+        with found():  # the conversation deleted meanwhile
+            return next(self._views)
+
+    def close(self) -> None:
+        try:
+            self._views.close()
+        finally:
+            self._release()
+
+
 class ChatController:
     """The chat page's logic around one engine client and one store, shared by all sessions."""
 
     def __init__(self, client: EngineClient, store: Store) -> None:
         self.client = client
         self.store = store
-        # Stop closes a reply's generator, which then stores the partial reply on the thread that
-        # ran it; `after_stop` waits for that before redrawing. Keyed by conversation id.
-        self._streams_ending: dict[int, threading.Event] = {}
+        # One reply at a time per conversation. Stop closes a reply's generator, which then stores
+        # the partial reply on the thread that ran it; `after_stop` waits for its turn to end.
+        self._turns = Turns()
 
     # ---- the sidebar and the open chat --------------------------------------------------------
     def conversation_choices(self, user: str, query: str = "") -> list[tuple[str, int]]:
         """(label, id) for each of the user's chats, or for the search hits when `query` is set."""
+        # FTS5 reads a NUL as the end of the query ("unterminated string"); it is no word anyway.
+        query = checked_text(query, "search").replace("\x00", " ")
         if query.strip():
             return [(f"{c['title']} — {c['snippet']}", c["id"]) for c in self.store.search(user, query)]
         return [(c["title"], c["id"]) for c in self.store.conversations(user)]
 
+    @owned
     def open_chat(self, user: str, conversation_id: int) -> OpenedChat:
-        try:
-            conversation = self.store.conversation(user, conversation_id)
-        except NotFound:
-            raise ChatInputError("That conversation no longer exists.") from None
+        conversation_id = checked_id(conversation_id)
+        if conversation_id is None:
+            raise ChatInputError(NOT_YOURS)
+        conversation = self.store.conversation(user, conversation_id)
         rows = self.store.messages(user, conversation_id)
         preset, custom = presets.preset_for(conversation["system_prompt"])
         return OpenedChat(render.chat_messages(rows), preset, custom, conversation["title"], last_user_message(rows))
 
+    @owned
     def last_user_message(self, user: str, conversation_id: int | None) -> str:
         """What "Edit your last message" starts from: the user's last message, or ""."""
         return last_user_message(self._rows(user, conversation_id))
 
+    @owned
     def rename(self, user: str, conversation_id: int | None, title: str) -> None:
-        if conversation_id is None or not (title or "").strip():
+        conversation_id = checked_id(conversation_id)
+        if conversation_id is None or not checked_text(title, "title").strip():
             raise ChatInputError("Open a chat and type its new title first.")
         self.store.rename(user, conversation_id, title)
 
     def check_deletable(self, conversation_id: int | None) -> None:
-        if conversation_id is None:
+        if checked_id(conversation_id) is None:
             raise ChatInputError("Open a chat to delete it.")
 
+    @owned
     def delete(self, user: str, conversation_id: int | None) -> None:
+        conversation_id = checked_id(conversation_id)
+        if self._turns.busy(user, conversation_id):
+            raise ChatInputError(BUSY)  # its reply would have nowhere to go
         if conversation_id is not None:
             self.store.delete_conversation(user, conversation_id)
 
+    def replying(self, user: str, conversation_id: int | None) -> bool:
+        """Whether a reply is being written in the user's conversation now."""
+        try:
+            return self._turns.busy(user, checked_id(conversation_id))
+        except ChatInputError:
+            return False
+
+    @owned
     def after_stop(self, user: str, conversation_id: int | None, timeout: float = STOP_WAIT_S) -> list[dict]:
         """After Stop: wait (briefly) for the stopped reply to be stored, then the chat as stored,
         so the reply carries its "stopped" mark."""
-        ending = self._streams_ending.get(conversation_id) if conversation_id is not None else None
-        if ending is not None:
-            ending.wait(timeout=timeout)
+        conversation_id = checked_id(conversation_id)
+        self._turns.wait(user, conversation_id, timeout)
         return render.chat_messages(self._rows(user, conversation_id))
 
     # ---- replies: each says what differs, `_reply` does the rest -------------------------------
+    @owned
     def send(self, user: str, conversation_id: int | None, message: str, system_prompt: str,
              sliders: Sliders) -> Iterator[ChatView]:
         """A new user message and its reply; the first one creates the conversation, titled
         from the message. A prompt the engine refuses stores nothing."""
-        text = (message or "").strip()
+        conversation_id = checked_id(conversation_id)
+        text = checked_text(message, "message").strip()
+        system_prompt = checked_text(system_prompt, "system prompt")
         if not text:
             raise ChatInputError("Type a message first.")
         sampling = checked_sampling(sliders)
-        rows = self._rows(user, conversation_id) + [{"role": "user", "content": text}]
+        with self._turn(user, conversation_id) as turn:
+            rows = self._rows(user, conversation_id) + [{"role": "user", "content": text}]
+            return self._reply(turn, user, conversation_id, system_prompt, rows, sampling,
+                               functools.partial(self._store_message, user, conversation_id, text, system_prompt),
+                               self._add_reply)
 
-        def store_message() -> int:
-            chat_id = conversation_id
-            if chat_id is None:
-                chat_id = self.store.create_conversation(user, title=text[:TITLE_CHARS],
-                                                         system_prompt=system_prompt)["id"]
-            elif self.store.conversation(user, chat_id)["system_prompt"] != system_prompt:
-                self.store.set_system_prompt(user, chat_id, system_prompt)
-            self.store.add_message(user, chat_id, "user", text)
-            return chat_id
+    def _store_message(self, user: str, conversation_id: int | None, text: str, system_prompt: str) -> int:
+        """Send's user side: the message stored (in a new conversation, titled from it, if none is
+        open; with the system prompt as now chosen); returns the conversation's id."""
+        if conversation_id is None:
+            conversation_id = self.store.create_conversation(user, title=text[:TITLE_CHARS],
+                                                             system_prompt=system_prompt)["id"]
+        elif self.store.conversation(user, conversation_id)["system_prompt"] != system_prompt:
+            self.store.set_system_prompt(user, conversation_id, system_prompt)
+        self.store.add_message(user, conversation_id, "user", text)
+        return conversation_id
 
-        return self._reply(user, conversation_id, system_prompt, rows, sampling, store_message, self._add_reply)
-
+    @owned
     def regenerate(self, user: str, conversation_id: int | None, sliders: Sliders) -> Iterator[ChatView]:
         """A new reply in place of the last one (or a reply to a last message that has none)."""
-        rows = self._rows(user, conversation_id)
-        if not rows:
-            raise ChatInputError("Nothing to regenerate yet.")
-        replacing = rows[-1]["role"] == "assistant"
+        conversation_id = checked_id(conversation_id)
         sampling = checked_sampling(sliders)
-        return self._reply(user, conversation_id, self._system_prompt(user, conversation_id),
-                           rows[:-1] if replacing else rows, sampling, None,
-                           self._replace_reply if replacing else self._add_reply)
+        with self._turn(user, conversation_id) as turn:
+            rows = self._rows(user, conversation_id)
+            if not rows:
+                raise ChatInputError("Nothing to regenerate yet.")
+            replacing = rows[-1]["role"] == "assistant"
+            return self._reply(turn, user, conversation_id, self._system_prompt(user, conversation_id),
+                               rows[:-1] if replacing else rows, sampling, None,
+                               self._replace_reply if replacing else self._add_reply)
 
+    @owned
     def edit_last(self, user: str, conversation_id: int | None, edited: str, sliders: Sliders) -> Iterator[ChatView]:
         """The user's last message replaced by `edited`, its reply dropped, and a new reply."""
-        text = (edited or "").strip()
-        rows = self._rows(user, conversation_id)
-        last_user = last_user_index(rows)
-        if not text or last_user is None:
-            raise ChatInputError("There is no sent message to edit, or the edit is empty.")
-        sampling = checked_sampling(sliders)
+        conversation_id = checked_id(conversation_id)
+        text = checked_text(edited, "edited message").strip()
+        with self._turn(user, conversation_id) as turn:
+            rows = self._rows(user, conversation_id)
+            last_user = last_user_index(rows)
+            if not text or last_user is None:
+                raise ChatInputError("There is no sent message to edit, or the edit is empty.")
+            sampling = checked_sampling(sliders)
 
-        def store_edit() -> int:
-            self.store.edit_last_user_message(user, conversation_id, text)
-            return conversation_id
+            def store_edit() -> int:
+                self.store.edit_last_user_message(user, conversation_id, text)
+                return conversation_id
 
-        return self._reply(user, conversation_id, self._system_prompt(user, conversation_id),
-                           rows[:last_user] + [{"role": "user", "content": text}], sampling, store_edit,
-                           self._add_reply)
+            return self._reply(turn, user, conversation_id, self._system_prompt(user, conversation_id),
+                               rows[:last_user] + [{"role": "user", "content": text}], sampling, store_edit,
+                               self._add_reply)
 
-    def _reply(self, user: str, conversation_id: int | None, system_prompt: str, rows: list[dict],
-               sampling: SamplingParams, before: Callable[[], int] | None, save: SaveReply) -> Iterator[ChatView]:
-        """The reply flow: submit `rows` (the refusal view, storing nothing, if the engine will not
-        take them); then `before()` stores the user's side and names the conversation, and that
-        view is shown; then the reply streams and `save` stores it with its numbers."""
-        shown = render.chat_messages(rows)
+    @contextmanager
+    def _turn(self, user: str, conversation_id: int | None) -> Iterator[Turn]:
+        """The conversation's turn, taken before the reply reads or stores anything (BUSY if
+        another reply holds it); released here if the reply never gets going."""
+        turn = self._turns.start(user, conversation_id)
         try:
-            reply = start_reply(self.client, prompt_of(system_prompt, rows), sampling, conversation_id)
-        except ValueError as error:
-            yield ChatView(shown + [render.error_message(refusal(error))], conversation_id, refused=True)
-            return
-        with closing(reply):  # aborts the request however this generator ends, even before streaming
-            if before is not None:
-                conversation_id = before()
-                yield ChatView(shown, conversation_id)
-            yield from self._stream(reply, shown, conversation_id, functools.partial(save, user, conversation_id))
+            yield turn
+        except BaseException:
+            turn.release()
+            raise
+
+    def _reply(self, turn: Turn, user: str, conversation_id: int | None, system_prompt: str, rows: list[dict],
+               sampling: SamplingParams, before: Callable[[], int] | None, save: SaveReply) -> ReplyViews:
+        """The reply flow, holding `turn` until the reply has ended and been stored."""
+        return ReplyViews(self._views(turn, user, conversation_id, system_prompt, rows, sampling, before, save), turn)
+
+    def _views(self, turn: Turn, user: str, conversation_id: int | None, system_prompt: str, rows: list[dict],
+               sampling: SamplingParams, before: Callable[[], int] | None, save: SaveReply) -> Iterator[ChatView]:
+        """Submit `rows` (the refusal view, storing nothing, if the engine will not take them);
+        then `before()` stores the user's side and names the conversation, and that view is
+        shown; then the reply streams and `save` stores it with its numbers."""
+        try:
+            shown = render.chat_messages(rows)
+            try:
+                reply = start_reply(self.client, prompt_of(system_prompt, rows), sampling, conversation_id, user)
+            except ValueError as error:
+                yield ChatView(shown + [render.error_message(refusal(error))], conversation_id, refused=True)
+                return
+            with closing(reply):  # aborts the request however this generator ends, even before streaming
+                if before is not None:
+                    created = conversation_id is None
+                    conversation_id = before()
+                    if created:
+                        turn.hold(conversation_id)
+                    yield ChatView(shown, conversation_id)
+                yield from self._stream(reply, shown, conversation_id, functools.partial(save, user, conversation_id))
+        finally:
+            turn.release()
 
     def _stream(self, reply: ReplyStream, shown: list[dict], conversation_id: int,
                 save: Callable[[str, dict], dict]) -> Iterator[ChatView]:
         """Show the reply as it grows, then store it with its numbers. Closing this generator
         aborts the engine request and stores the partial reply as stopped."""
         completed = False
-        ended = self._streams_ending[conversation_id] = threading.Event()
         try:
             for _ in reply:
                 live = {"role": "assistant", "content": reply.text or "…"}
@@ -190,9 +345,6 @@ class ChatController:
                         save(reply.text, {**reply.metrics(), "finish_reason": "abort", "stopped": True})
                 except Exception:  # never mask the close; the reply is lost, the app goes on
                     log.exception("could not store a stopped reply")
-            ended.set()
-            if completed and self._streams_ending.get(conversation_id) is ended:
-                del self._streams_ending[conversation_id]
         if reply.finish_reason == "error" or (reply.finish_reason == "abort" and not reply.text):
             problem = reply.error or "the engine ended this reply early"
             if reply.text.strip():
@@ -235,6 +387,34 @@ def prompt_of(system_prompt: str, rows: list[dict]) -> list[dict]:
     """The messages the engine sees: the system prompt (if any), then the rows."""
     head = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
     return head + [{"role": m["role"], "content": m["content"]} for m in rows]
+
+
+def checked_id(conversation_id: object) -> int | None:
+    """A conversation id as the page or an API caller gives it: None (no chat open yet) or a
+    whole number. One that no row can have reads as any missing conversation does."""
+    if conversation_id is None:
+        return None
+    if isinstance(conversation_id, bool) or not isinstance(conversation_id, (int, float)) \
+            or (isinstance(conversation_id, float) and not conversation_id.is_integer()):
+        raise ChatInputError(f"A conversation id is a whole number, not {conversation_id!r}.")
+    if not 1 <= conversation_id <= MAX_CONVERSATION_ID:
+        raise ChatInputError(NOT_YOURS)
+    return int(conversation_id)
+
+
+def checked_text(value: object, what: str) -> str:
+    """Text from the page or an API caller; None reads as "". Text that is not valid Unicode
+    (a lone surrogate, which JSON can carry) could be neither tokenized nor stored."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ChatInputError(f"The {what} must be text.")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ChatInputError(f"The {what} has characters that are not valid text (lone surrogates): "
+                             "remove them and try again.") from None
+    return value
 
 
 def checked_sampling(sliders: Sliders) -> SamplingParams:

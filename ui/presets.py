@@ -24,6 +24,14 @@ def system_prompt(preset: str | None, custom: str | None) -> str:
     return PRESETS.get(preset or DEFAULT, PRESETS[DEFAULT])
 
 
+def num_shared_messages(messages: list[dict]) -> int:
+    """How many leading messages every user shares: 1 when the conversation opens with a preset's
+    system prompt (public text whose KV blocks serve everyone), else 0."""
+    first = messages[0] if messages else {}
+    shared = first.get("role") == "system" and first.get("content") in PRESETS.values() and first.get("content")
+    return 1 if shared else 0
+
+
 def preset_for(prompt: str) -> tuple[str, str]:
     """The (preset, custom text) pair that shows a stored system prompt in the UI."""
     for name, text in PRESETS.items():

@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from engine import Delta, EngineClient, SamplingParams, Usage, decode_rate
+from ui import presets
 
 
 class ReplyStream:
@@ -59,9 +60,13 @@ class ReplyStream:
 
 
 def start_reply(client: EngineClient, messages: list[dict], params: SamplingParams,
-                conversation_id: int | None = None) -> ReplyStream:
+                conversation_id: int | None = None, user: str | None = None) -> ReplyStream:
     """Submit a conversation. The request id starts with the conversation (`chat12/…`, or
-    `chat-new-…` before the first reply creates it): the live panel tints blocks by it."""
+    `chat-new-…` before the first reply creates it): the live panel tints blocks by it.
+    With `user`, the prefix cache keeps everything after a preset system prompt to that user:
+    another user sending the same text hits only the preset's blocks."""
     conversation = f"chat{int(conversation_id)}" if conversation_id is not None else f"chat-new-{uuid.uuid4().hex[:6]}"
     request_id = f"{conversation}/{uuid.uuid4().hex[:8]}"
-    return ReplyStream(client.submit(messages, params, request_id=request_id), lambda: client.abort(request_id))
+    deltas = client.submit(messages, params, request_id=request_id, cache_salt=user,
+                           num_shared_messages=presets.num_shared_messages(messages))
+    return ReplyStream(deltas, lambda: client.abort(request_id))
