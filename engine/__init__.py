@@ -16,7 +16,7 @@ from engine.outputs import CompletionOutput, Delta, EngineInfo, FirstToken, Requ
 
 # The model-facing API pulls in torch and transformers: imported only when asked for.
 _LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineClient": "engine.client",
-         "EngineDeadError": "engine.client"}
+         "EngineBusyError": "engine.client", "EngineDeadError": "engine.client"}
 
 
 def __getattr__(name: str):
@@ -26,6 +26,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["BlockInfo", "BlockMap", "BlockState", "CompletionOutput", "Delta", "EngineClient", "EngineDeadError", "EngineInfo",
+__all__ = ["BlockInfo", "BlockMap", "BlockState", "CompletionOutput", "Delta", "EngineBusyError", "EngineClient", "EngineDeadError", "EngineInfo",
            "FinishReason", "FirstToken", "LLM", "LLMEngine", "PromptTooLongError", "Request", "RequestOutput",
            "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerStats", "Usage", "decode_rate"]

@@ -30,13 +30,22 @@ RECENT_FIRST_TOKENS = 256
 LIVENESS_CHECK_S = 1.0  # how often a waiting caller checks that the loop thread is still alive
 
 
+class EngineBusyError(RuntimeError):
+    """The engine's waiting queue is full: try again in a moment (nothing was queued)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop is not running (closed, or stopped by a fault): nothing submitted will run."""
 
 
 class EngineClient:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
+        """`max_waiting`: requests that may wait for the engine at once; beyond it `submit`
+        raises EngineBusyError at once instead of queueing without bound."""
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
         self.engine = engine
+        self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, queue.SimpleQueue] = {}
         self._open: dict[str, set[int]] = {}  # request id -> indices of its samples not yet finished
@@ -213,6 +222,10 @@ class EngineClient:
             try:
                 if request_id in self._streams:
                     raise ValueError(f"a request with id {request_id!r} is already running")
+                waiting = len(self.engine.scheduler.waiting)
+                if waiting >= self.max_waiting:
+                    raise EngineBusyError(f"the engine is busy: {waiting} requests are waiting "
+                                          f"(limit {self.max_waiting}); try again in a moment")
                 # Tokenizing happens here, on this thread only: fast tokenizers are not safe to share.
                 self.engine.add_request(request_id, prompt, params, **options)
             except Exception as error:

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from engine import EngineClient, LLMEngine, decode_rate
+from engine import EngineBusyError, EngineClient, LLMEngine, decode_rate
 from engine.outputs import Delta
 from storage import Store
 from ui.conversation import (BUSY, NOT_YOURS, ChatController, ChatInputError, ChatView, last_user_index,
@@ -424,6 +424,21 @@ def test_an_engine_error_ends_the_turn(store):
     assert "boom" in views[-1].messages[-1]["content"] and not chat.replying(user, conversation_id)
     list(chat.regenerate(user, conversation_id, greedy()))  # free again
     assert roles(store, user, conversation_id) == ["user"]
+
+
+def test_a_busy_engine_refuses_the_turn_and_stores_nothing(store):
+    class BusyClient:
+        def submit(self, messages, params, request_id, **options):
+            raise EngineBusyError("the engine is busy: 256 requests are waiting (limit 256)")
+
+        def abort(self, request_id):
+            pass
+
+    chat, user = ChatController(BusyClient(), store), new_user()
+    views = list(chat.send(user, None, "Anyone there?", SYSTEM, greedy()))
+    assert len(views) == 1 and views[0].refused and views[0].conversation_id is None
+    assert "busy" in views[0].messages[-1]["content"] and "nothing was sent" in views[0].messages[-1]["content"]
+    assert store.conversations(user) == []
 
 
 def test_only_one_of_many_concurrent_turns_on_a_chat_starts(chat, store):

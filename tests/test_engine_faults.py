@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from engine import EngineClient, EngineDeadError, LLMEngine, SamplingParams
+from engine import EngineBusyError, EngineClient, EngineDeadError, LLMEngine, SamplingParams
 from engine.devtools.invariants import check_invariants
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -127,3 +127,24 @@ def test_submit_on_a_closed_client_raises_a_named_error(tiny_model_dir):
     closed.close()
     with pytest.raises(EngineDeadError, match="closed"):
         closed.submit("hi", PARAMS)
+
+
+def test_a_full_waiting_queue_refuses_at_once_and_takes_work_again_once_it_drains(tiny_model_dir):
+    busy = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=64, num_cpu_blocks=0, max_num_seqs=1),
+                        max_waiting=2)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        # Long enough to hold the only seat (max_num_seqs=1) until this test lets it go.
+        running = busy.submit("I run first.", SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
+        next(running)
+        queued = [busy.submit(f"I wait, number {i}.", params) for i in range(2)]
+        started = time.monotonic()
+        with pytest.raises(EngineBusyError, match=r"2 requests are waiting \(limit 2\)"):
+            busy.submit("One too many.", params)
+        assert time.monotonic() - started < 1.0
+        running.close()  # the seat frees; the two waiting requests run
+        for stream in queued:
+            assert finals(collect(stream))[0].finish_reason == "length"
+        assert finals(collect(busy.submit("After the queue drained.", params)))[0].finish_reason == "length"
+    finally:
+        busy.close()

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from typing import NamedTuple
 
-from engine import EngineClient, SamplingParams
+from engine import EngineBusyError, EngineClient, SamplingParams
 from storage import NotFound, Store
 from ui import params, presets, render
 from ui.stream import ReplyStream, start_reply
@@ -30,6 +30,7 @@ STOP_WAIT_S = 5.0
 MAX_CONVERSATION_ID = 2**63 - 1  # SQLite's largest integer: beyond it no row can exist
 NOT_YOURS = "That conversation doesn't exist or isn't yours."
 BUSY = "A reply is still being written in this chat: wait for it or press Stop."
+BUSY_ENGINE = "The server is busy with other chats right now: nothing was sent. Try again in a moment."
 
 # (temperature, top_p, max new tokens) as the sliders give them; checked by the controller.
 Sliders = tuple[float, float, float]
@@ -315,6 +316,9 @@ class ChatController:
                 reply = start_reply(self.client, prompt_of(system_prompt, rows), sampling, conversation_id, user)
             except ValueError as error:
                 yield ChatView(shown + [render.error_message(refusal(error))], conversation_id, refused=True)
+                return
+            except EngineBusyError:
+                yield ChatView(shown + [render.error_message(BUSY_ENGINE)], conversation_id, refused=True)
                 return
             with closing(reply):  # aborts the request however this generator ends, even before streaming
                 if before is not None:
