@@ -193,7 +193,7 @@ class EngineClient:
             except Exception:  # the state that failed the step may fail this too; end the stream anyway
                 log.exception("could not abort %s", request_id)
             self._finish_stream(request_id, "error", reason)
-        self.engine.scheduler.last_stats = self.engine.scheduler.current_stats()
+        self.engine.scheduler.refresh_stats()
 
     def _answer_leftovers(self) -> None:
         """Callers whose messages the stopped loop never took get the reason, not a wait."""

@@ -2,6 +2,7 @@
 `step()` calls into streamed text. Single-threaded: the client runs it on its own thread."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -74,6 +75,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, device_blocks, host_blocks, block_size, max_model_len, graph_batch)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._samples: dict[str, _SampleState] = {}
+        # Shared messages are a few presets: tokenize each once, not on every request.
+        self._shared_prefix_ids = functools.lru_cache(maxsize=64)(self._encode_shared)
 
     # ---- requests -----------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -93,8 +96,8 @@ class LLMEngine:
         shared: list[int] = []
         if prompt and isinstance(prompt, list) and isinstance(prompt[0], dict):
             if cache_salt is not None and num_shared_messages > 0:
-                shared = self.encode(self.tokenizer.apply_chat_template(
-                    prompt[:num_shared_messages], add_generation_prompt=False, tokenize=False))
+                head = tuple((m["role"], m["content"]) for m in prompt[:num_shared_messages])
+                shared = self._shared_prefix_ids(head)
             prompt = self.apply_chat_template(prompt)
         token_ids = self.encode(prompt)
         # Only tokens the shared messages alone produce, and the full prompt starts with, are shared.
@@ -104,6 +107,11 @@ class LLMEngine:
                           num_shared_prefix_tokens=num_shared if cache_salt is not None else 0)
         self.scheduler.add_request(request)
         return request
+
+    def _encode_shared(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template([{"role": role, "content": content} for role, content in messages],
+                                                      add_generation_prompt=False, tokenize=False)
+        return self.encode(rendered)
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request and all its samples, in any state; its blocks return at once."""
@@ -187,7 +195,7 @@ class LLMEngine:
             self.abort_request(group_id)  # the parent and every forked sample, in any state
             deltas += [Delta(group_id, index, "", (), finish_reason="error", usage=usage, error=reason)
                        for index in sorted(indices)]
-        self.scheduler.last_stats = self.scheduler.current_stats()  # no update() will say so
+        self.scheduler.refresh_stats()  # no update() will say so
         return deltas
 
     # ---- snapshots ----------------------------------------------------------------------

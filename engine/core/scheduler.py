@@ -319,6 +319,10 @@ class Scheduler:
         """Stats of the present state, with nothing scheduled: for between steps (after an abort)."""
         return snapshot_stats(self, SchedulerOutput())
 
+    def refresh_stats(self) -> None:
+        """Make `last_stats` the present state: after a step that failed before `update`."""
+        self.last_stats = self.current_stats()
+
     def block_map_state(self) -> BlockMapState:
         """The engine thread's share of a block map: O(blocks changed since the last one) plus
         copies; `.build()` it elsewhere."""
