@@ -5,16 +5,19 @@ thread-safe inbox (add, abort, snapshot requests) and read their request's delta
 of its own.
 `submit()` validates and queues at once (a bad prompt raises in the caller) and returns an
 iterator; a caller that stops iterating aborts its request, so its blocks return at once.
+`asubmit()` is the same for a coroutine: its reader waits on its event loop, holding no thread,
+so a web server can stream thousands of replies and cancel one the moment its client leaves.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 
@@ -38,6 +41,41 @@ class EngineDeadError(RuntimeError):
     """The engine loop is not running (closed, or stopped by a fault): nothing submitted will run."""
 
 
+class _Stream:
+    """One request's deltas, from the loop thread to its reader: a thread that blocks on `get`, or
+    a coroutine awaiting `aget` on `loop`, woken through that loop (waiting holds no thread)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop = loop
+        self._arrived = asyncio.Event() if loop is not None else None
+
+    def put(self, item: object) -> None:
+        self._items.put(item)
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._arrived.set)
+            except RuntimeError:  # the reader's event loop has closed: no one is left to read
+                pass
+
+    def get(self, timeout: float) -> object:
+        """The next item; queue.Empty after `timeout` seconds."""
+        return self._items.get(timeout=timeout)
+
+    async def aget(self, timeout: float) -> object:
+        """The next item; TimeoutError after `timeout` seconds."""
+        while True:
+            try:
+                return self._items.get_nowait()
+            except queue.Empty:
+                pass
+            # No await between the check and the clear: `put`'s wake-up runs on this loop, so it
+            # cannot land in between and be lost.
+            self._arrived.clear()
+            if self._items.empty():
+                await asyncio.wait_for(self._arrived.wait(), timeout)
+
+
 class EngineClient:
     def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
         """`max_waiting`: requests that may wait for the engine at once; beyond it `submit`
@@ -47,7 +85,7 @@ class EngineClient:
         self.engine = engine
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, queue.SimpleQueue] = {}
+        self._streams: dict[str, _Stream] = {}
         self._open: dict[str, set[int]] = {}  # request id -> indices of its samples not yet finished
         self._ids = itertools.count()
         self._stats = engine.stats()
@@ -68,14 +106,33 @@ class EngineClient:
         return an iterator over its deltas, ending after every sample's final delta. `cache_salt`
         (the user) keeps its prefix-cache blocks to that user, apart from the first
         `num_shared_messages` messages (see LLMEngine.add_request)."""
+        stream = _Stream()
+        message = self._add_message(prompt, params, request_id, cache_salt, num_shared_messages, stream)
+        self._ask(message)  # a bad prompt raises here
+        return self._iterate(message[1], stream)
+
+    async def asubmit(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
+                      request_id: str | None = None, *, cache_salt: str | None = None,
+                      num_shared_messages: int = 0) -> AsyncIterator[Delta]:
+        """`submit` for a coroutine: the deltas come as an async iterator whose waits hold no
+        thread. Cancelling the caller (here, or while it iterates) aborts the request."""
+        stream = _Stream(asyncio.get_running_loop())
+        message = self._add_message(prompt, params, request_id, cache_salt, num_shared_messages, stream)
+        try:
+            await self._ask_async(message)  # a bad prompt raises here
+        except asyncio.CancelledError:  # the loop may take the request after we stop waiting
+            self.abort(message[1])
+            raise
+        return self._aiterate(message[1], stream)
+
+    def _add_message(self, prompt, params: SamplingParams | None, request_id: str | None,
+                     cache_salt: str | None, num_shared_messages: int, stream: _Stream) -> tuple:
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
-        stream: queue.SimpleQueue = queue.SimpleQueue()
         options = {"cache_salt": cache_salt, "num_shared_messages": num_shared_messages}
-        self._ask(("add", request_id, prompt, params, options, stream, Future()))  # a bad prompt raises here
-        return self._iterate(request_id, stream)
+        return ("add", request_id, prompt, params, options, stream, Future())
 
-    def _iterate(self, request_id: str, stream: queue.SimpleQueue) -> Iterator[Delta]:
+    def _iterate(self, request_id: str, stream: _Stream) -> Iterator[Delta]:
         finished = False
         try:
             while True:
@@ -84,10 +141,7 @@ class EngineClient:
                 except queue.Empty:
                     if self._thread.is_alive():
                         continue
-                    # The loop ends every open stream as it stops; this only guards against a
-                    # loop that could not (a reader never waits on a dead engine).
-                    item = Delta(request_id, 0, "", (), finish_reason="error", error=self._dead_reason())
-                    yield item
+                    yield self._dead_delta(request_id)
                     break
                 if item is _DONE:
                     break
@@ -96,6 +150,30 @@ class EngineClient:
         finally:
             if not finished:  # the caller stopped reading (or disconnected): free its blocks now
                 self.abort(request_id)
+
+    async def _aiterate(self, request_id: str, stream: _Stream) -> AsyncIterator[Delta]:
+        finished = False
+        try:
+            while True:
+                try:
+                    item = await stream.aget(timeout=LIVENESS_CHECK_S)
+                except TimeoutError:
+                    if self._thread.is_alive():
+                        continue
+                    yield self._dead_delta(request_id)
+                    break
+                if item is _DONE:
+                    break
+                yield item
+            finished = True
+        finally:
+            if not finished:  # closed or cancelled mid-reply (a client gone): free its blocks now
+                self.abort(request_id)
+
+    def _dead_delta(self, request_id: str) -> Delta:
+        # The loop ends every open stream as it stops; this only guards against a loop that could
+        # not (a reader never waits on a dead engine).
+        return Delta(request_id, 0, "", (), finish_reason="error", error=self._dead_reason())
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -143,6 +221,20 @@ class EngineClient:
                     raise EngineDeadError(self._dead_reason()) from None
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
+
+    async def _ask_async(self, message: tuple) -> object:
+        """`_ask` for a coroutine: awaits the loop's answer without holding a thread."""
+        future: Future = message[-1]
+        if self.closed:
+            raise EngineDeadError(self._dead_reason())
+        self._inbox.put(message)
+        answer = asyncio.wrap_future(future)
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(answer), LIVENESS_CHECK_S)
+            except TimeoutError:
+                if self.closed and not future.done():
+                    raise EngineDeadError(self._dead_reason()) from None
 
     def close(self) -> None:
         self._stopping.set()

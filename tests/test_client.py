@@ -1,4 +1,5 @@
 """The engine client: many concurrent callers, streaming, abort, disconnects, snapshots."""
+import asyncio
 import threading
 import time
 
@@ -152,3 +153,79 @@ def test_users_share_the_preset_system_prompt_blocks_and_nothing_after_them(clie
     assert cached("bob") == preset_blocks_tokens              # the same text: only the preset's blocks
     assert cached("bob") == (prompt_tokens - 1) // 16 * 16   # his own, now cached
     wait_until_idle(client)
+
+
+# ---- the async side: what a web server's handlers use ------------------------------------------
+async def read_all(stream) -> list:
+    return [delta async for delta in stream]
+
+
+def test_many_async_readers_on_one_event_loop_thread_get_the_same_text_as_blocking_ones(client):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = ["".join(d.text for d in client.submit(q, params)) for q in QUESTIONS]
+    threads_before = threading.active_count()
+
+    async def main():
+        streams = [await client.asubmit(q, params) for q in QUESTIONS]
+        threads_while_waiting = threading.active_count()
+        return await asyncio.gather(*(read_all(s) for s in streams)), threads_while_waiting
+
+    replies, threads_while_waiting = asyncio.run(main())
+    assert threads_while_waiting == threads_before  # eight waiting readers, no thread each
+    assert ["".join(d.text for d in deltas) for deltas in replies] == expected
+    assert all(deltas[-1].finish_reason == "length" for deltas in replies)
+    wait_until_idle(client)
+
+
+def test_async_bad_prompts_raise_at_submit(client):
+    async def main():
+        with pytest.raises(PromptTooLongError):
+            await client.asubmit("word " * 3000, SamplingParams(max_tokens=8))
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("when", ["before the first token", "mid-stream"])
+def test_a_cancelled_async_reader_aborts_its_request_at_once(client, when):
+    """What a web server does when its client leaves: cancel the task reading the reply."""
+    async def main():
+        stream = await client.asubmit(QUESTIONS[1], SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
+
+        async def read():
+            async for delta in stream:
+                if when == "mid-stream" and delta.token_ids:
+                    reading.set()
+            raise AssertionError("the reply ended by itself")
+
+        reading = asyncio.Event()
+        task = asyncio.create_task(read())
+        if when == "mid-stream":
+            await asyncio.wait_for(reading.wait(), 20)
+        else:
+            await asyncio.sleep(0)  # the reader waits; the request may not have its first token yet
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        cancelled_at = time.monotonic()
+        await asyncio.to_thread(wait_until_idle, client, 1.0)
+        return time.monotonic() - cancelled_at
+
+    assert asyncio.run(main()) < 1.0
+
+
+def test_a_caller_cancelled_while_its_submit_is_queued_leaves_nothing_running(client):
+    async def main():
+        params = SamplingParams(max_tokens=900, ignore_eos=True)
+        task = asyncio.create_task(client.asubmit(QUESTIONS[2], params, request_id="queued-then-cancelled"))
+        await asyncio.sleep(0)  # the submit is in the loop's inbox, its answer not yet back
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return True
+        client.abort("queued-then-cancelled")  # the loop answered first (rare): not what we test
+        return False
+
+    cancelled = any(asyncio.run(main()) for _ in range(5))  # stops at the first cancel that landed
+    wait_until_idle(client, 2.0)
+    assert cancelled
