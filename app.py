@@ -21,18 +21,22 @@ from ui.chat import build_chat
 from ui.panel.load_generator import LoadGenerator
 from ui.panel.page import build_panel
 from ui.panel.feed import PanelFeed
+from ui.sessions import Sessions
 
 
 def build_app(client: EngineClient, store: Store, feed: PanelFeed | None = None,
-              load: LoadGenerator | None = None, host: str | None = None) -> gr.Blocks:
+              load: LoadGenerator | None = None, host: str | None = None,
+              sessions: Sessions | None = None) -> gr.Blocks:
     """The whole app around an engine client and a store, queued but not launched: the chat at
     / and the engine panel at /panel. Pass `feed` and `load` to stop them yourself; otherwise
     they end with the client (the feed's sampler stops, the synthetic users' submits fail).
     `host`: the address it will be launched on (default: Gradio's, $GRADIO_SERVER_NAME or
-    127.0.0.1); on a loopback address whoever reaches the app may run the load generator."""
+    127.0.0.1); on a loopback address whoever reaches the app may run the load generator.
+    `sessions`: launch with `app_kwargs=sessions.app_kwargs()` so that a reply whose browser
+    disconnects is cancelled at once (see ui/sessions.py)."""
     feed = (feed or PanelFeed(client)).start()
     load = load or LoadGenerator(client)
-    demo = build_chat(client, store)
+    demo = build_chat(client, store, sessions)
     with demo.route("Engine panel", "panel"):
         build_panel(feed, load, host or os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     # Streaming events set concurrency_limit=None themselves; the rest (storage calls) are quick.
@@ -68,11 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(args.model, args.device, num_gpu_blocks=args.num_gpu_blocks,
                        num_cpu_blocks=args.num_cpu_blocks)
     client = EngineClient(engine)
-    feed, load = PanelFeed(client), LoadGenerator(client)
+    feed, load, sessions = PanelFeed(client), LoadGenerator(client), Sessions()
     try:
-        # Each streaming reply holds a worker thread while it waits for its next token.
-        build_app(client, Store(args.db), feed, load, host=args.host).launch(
-            server_name=args.host, server_port=args.port, max_threads=256)
+        build_app(client, Store(args.db), feed, load, host=args.host, sessions=sessions).launch(
+            server_name=args.host, server_port=args.port, app_kwargs=sessions.app_kwargs())
     finally:
         load.stop()
         feed.close()

@@ -6,6 +6,7 @@ transaction: a conversation is never seen with a message but a stale timestamp, 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 from sqlite_utils import Database
@@ -80,6 +81,15 @@ class Store:
     def close(self) -> None:
         """Close every thread's connection; the store cannot be used afterwards."""
         self.connections.close()
+
+    def transaction(self) -> contextlib.AbstractContextManager[Database]:
+        """Several calls as one: all of them are stored, or (on an exception) none.
+
+            with store.transaction():
+                chat = store.create_conversation("ada", title="Hello")
+                store.add_message("ada", chat["id"], "user", "Hello")
+        """
+        return self.connections.transaction()
 
     def __enter__(self):
         return self

@@ -62,3 +62,9 @@ def smol_llm():
 def smol_hf():
     from engine.worker.model_loader import load_hf_model
     return load_hf_model(None)[0]
+
+
+@pytest.fixture(scope="session")
+def anyio_backend():
+    """`@pytest.mark.anyio` tests run on asyncio, the loop Gradio and uvicorn use."""
+    return "asyncio"

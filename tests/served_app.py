@@ -17,10 +17,13 @@ def serve(client, store, feed=None, load=None, host: str | None = None) -> tuple
     """`app.build_app` launched on 127.0.0.1, in this process: the app and its URL. `host` is the
     address the app is told it is bound to (it decides who may run the load generator)."""
     from app import build_app
+    from ui.sessions import Sessions
 
-    demo = build_app(client, store, feed, load, host=host)
+    sessions = Sessions()
+    demo = build_app(client, store, feed, load, host=host, sessions=sessions)
     port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                app_kwargs=sessions.app_kwargs())
     return demo, f"http://127.0.0.1:{port}/"
 
 

@@ -1,8 +1,10 @@
 """The chat page's logic without Gradio: `ChatController` around a real tiny engine and a real
 store. Replies are greedy; the tiny model's text is gibberish, so the tests assert what is
-shown and stored, never what is said."""
+shown and stored, never what is said. A reply is an async iterator: tests that read a whole one
+use `collect`; those that stop, cancel or interleave replies are async."""
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import time
@@ -13,8 +15,8 @@ import pytest
 from engine import EngineBusyError, EngineClient, LLMEngine, decode_rate
 from engine.outputs import Delta
 from storage import Store
-from ui.conversation import (BUSY, NOT_YOURS, ChatController, ChatInputError, ChatView, last_user_index,
-                             last_user_message)
+from ui.conversation import (BUSY, MAX_REPLIES_PER_USER, NOT_YOURS, TOO_MANY, UNSAVED_MESSAGE, UNSAVED_REPLY,
+                             ChatController, ChatInputError, ChatView, last_user_index, last_user_message)
 from ui.presets import PRESETS
 
 SYSTEM = PRESETS["Helpful assistant"]
@@ -60,9 +62,23 @@ def engine_idle(client: EngineClient, timeout: float = 5.0) -> bool:
     return False
 
 
+async def views_of(views) -> list[ChatView]:
+    return [view async for view in views]
+
+
+def collect(views) -> list[ChatView]:
+    """Every view of a reply, read to its end on an event loop of its own."""
+    return asyncio.run(views_of(views))
+
+
 def turn(chat: ChatController, user: str, text: str, conversation_id: int | None = None,
          max_tokens: int = MAX_TOKENS) -> list[ChatView]:
-    return list(chat.send(user, conversation_id, text, SYSTEM, greedy(max_tokens)))
+    return collect(chat.send(user, conversation_id, text, SYSTEM, greedy(max_tokens)))
+
+
+async def aturn(chat: ChatController, user: str, text: str, conversation_id: int | None = None,
+                max_tokens: int = MAX_TOKENS) -> list[ChatView]:
+    return await views_of(chat.send(user, conversation_id, text, SYSTEM, greedy(max_tokens)))
 
 
 def roles(store: Store, user: str, conversation_id: int) -> list[str]:
@@ -103,7 +119,7 @@ def test_a_long_title_is_cut_and_a_new_system_prompt_is_kept(chat, store):
     text = "A question whose text runs on far beyond the length of a sidebar title"
     conversation_id = turn(chat, user, text)[-1].conversation_id
     assert store.conversation(user, conversation_id)["title"] == text[:48]
-    list(chat.send(user, conversation_id, "Now as a teacher", PRESETS["Teacher"], greedy()))
+    collect(chat.send(user, conversation_id, "Now as a teacher", PRESETS["Teacher"], greedy()))
     assert store.conversation(user, conversation_id)["system_prompt"] == PRESETS["Teacher"]
 
 
@@ -146,7 +162,7 @@ def test_a_prompt_too_long_for_the_cache_is_refused_and_stores_nothing(chat, sto
 
     conversation_id = turn(chat, user, "A short one first")[-1].conversation_id
     before = store.messages(user, conversation_id)
-    [refused] = list(chat.send(user, conversation_id, "word " * 3000, PRESETS["Teacher"], greedy()))
+    [refused] = collect(chat.send(user, conversation_id, "word " * 3000, PRESETS["Teacher"], greedy()))
     assert refused.refused and refused.conversation_id == conversation_id
     assert store.messages(user, conversation_id) == before
     assert store.conversation(user, conversation_id)["system_prompt"] == SYSTEM  # not changed either
@@ -159,7 +175,7 @@ def test_regenerate_replaces_the_last_reply(chat, store):
     conversation_id = turn(chat, user, "Regenerate me")[-1].conversation_id
     old = store.messages(user, conversation_id)
 
-    views = list(chat.regenerate(user, conversation_id, greedy(MAX_TOKENS + 4)))
+    views = collect(chat.regenerate(user, conversation_id, greedy(MAX_TOKENS + 4)))
     assert all(v.conversation_id == conversation_id for v in views)
     assert views[0].messages[:1] == [{"role": "user", "content": "Regenerate me"}]
     new = store.messages(user, conversation_id)
@@ -173,7 +189,7 @@ def test_regenerate_answers_a_last_message_that_has_no_reply(chat, store):
     user = new_user()
     conversation_id = store.create_conversation(user, title="Unanswered", system_prompt=SYSTEM)["id"]
     store.add_message(user, conversation_id, "user", "Are you there?")
-    list(chat.regenerate(user, conversation_id, greedy()))
+    collect(chat.regenerate(user, conversation_id, greedy()))
     messages = store.messages(user, conversation_id)
     assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == "Are you there?"
 
@@ -184,7 +200,7 @@ def test_edit_last_replaces_the_last_user_message_and_drops_its_reply(chat, stor
     turn(chat, user, "A message with a typo", conversation_id)
     assert chat.last_user_message(user, conversation_id) == "A message with a typo"
 
-    views = list(chat.edit_last(user, conversation_id, "  The corrected message ", greedy()))
+    views = collect(chat.edit_last(user, conversation_id, "  The corrected message ", greedy()))
     shown_user = [m["content"] for m in views[0].messages if m["role"] == "user"]
     assert shown_user == ["First message", "The corrected message"] and views[0].messages[-1]["role"] == "user"
     messages = store.messages(user, conversation_id)
@@ -195,16 +211,17 @@ def test_edit_last_replaces_the_last_user_message_and_drops_its_reply(chat, stor
 
 
 # ---- Stop -------------------------------------------------------------------------------------------
-def test_closing_mid_stream_stores_the_partial_reply_as_stopped(chat, store, client):
+@pytest.mark.anyio
+async def test_closing_mid_stream_stores_the_partial_reply_as_stopped(chat, store, client):
     user = new_user()
     views = chat.send(user, None, "Write a very long story about a lighthouse.", "", greedy(500))
-    for view in views:
+    async for view in views:
         last = view.messages[-1]
         if last["role"] == "assistant" and last["content"] not in ("", "…"):
             break  # the first view with some of the reply in it
     else:
         pytest.fail("the reply never streamed")
-    views.close()  # what Stop does: Gradio closes the handler, which closes this at once
+    await views.aclose()
 
     conversation_id = view.conversation_id
     messages = store.messages(user, conversation_id)
@@ -220,11 +237,41 @@ def test_closing_mid_stream_stores_the_partial_reply_as_stopped(chat, store, cli
     assert shown[-1]["role"] == "assistant" and "stopped" in shown[-1]["content"]
 
 
-def test_closing_before_the_reply_streams_aborts_the_request_and_stores_only_the_message(chat, store, client):
+@pytest.mark.anyio
+@pytest.mark.parametrize("when", ["before the first token", "mid-stream"])
+async def test_cancelling_the_reader_aborts_at_once_and_stores_what_was_written(chat, store, client, when):
+    """What Stop and a closed tab do: the task that reads the reply is cancelled."""
+    user = new_user()
+    views = chat.send(user, None, "Write a very long story about a lighthouse.", SYSTEM, greedy(500))
+    shown: list[ChatView] = []
+
+    async def read() -> None:
+        async for view in views:
+            shown.append(view)
+
+    reader = asyncio.create_task(read())
+    while not shown or (when == "mid-stream" and shown[-1].messages[-1]["role"] != "assistant"):
+        await asyncio.sleep(0.005)
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    cancelled_at = time.monotonic()
+    assert await asyncio.to_thread(engine_idle, client, 1.0), client.stats()
+    assert time.monotonic() - cancelled_at < 1.0
+    assert not chat.replying(user, shown[0].conversation_id)
+    stored = store.messages(user, shown[0].conversation_id)
+    if when == "mid-stream":
+        assert [m["role"] for m in stored] == ["user", "assistant"] and stored[1]["stopped"]
+    else:
+        assert [m["role"] for m in stored] in (["user"], ["user", "assistant"])  # a token may have landed
+
+
+@pytest.mark.anyio
+async def test_closing_before_the_reply_streams_aborts_the_request_and_stores_only_the_message(chat, store, client):
     user = new_user()
     views = chat.send(user, None, "Stop me before I start", "", greedy(500))
-    first = next(views)  # the user's side, stored; no delta read yet
-    views.close()
+    first = await anext(views)  # the user's side, stored; no delta read yet
+    await views.aclose()
     assert engine_idle(client), client.stats()
     assert roles(store, user, first.conversation_id) == ["user"]
     assert chat.after_stop(user, first.conversation_id, timeout=5.0) == first.messages
@@ -325,20 +372,21 @@ def test_text_that_is_not_valid_unicode_is_refused_and_control_characters_are_ke
 
 
 # ---- one reply at a time per conversation ----------------------------------------------------------
-def streaming(chat: ChatController, user: str, conversation_id: int | None = None, max_tokens: int = 500):
+async def streaming(chat: ChatController, user: str, conversation_id: int | None = None, max_tokens: int = 500):
     """A send whose reply has started streaming (its views, and the latest view)."""
     views = chat.send(user, conversation_id, "Write a very long story about a lighthouse.", SYSTEM, greedy(max_tokens))
-    for view in views:
+    async for view in views:
         if view.messages[-1]["role"] == "assistant":
             return views, view
     pytest.fail("the reply never streamed")
 
 
-def test_a_second_turn_while_a_reply_streams_is_refused_and_changes_nothing(chat, store, client):
+@pytest.mark.anyio
+async def test_a_second_turn_while_a_reply_streams_is_refused_and_changes_nothing(chat, store, client):
     user, other = new_user(), new_user()
-    conversation_id = turn(chat, user, "First question")[-1].conversation_id
-    elsewhere = turn(chat, user, "Another chat")[-1].conversation_id
-    views, view = streaming(chat, user, conversation_id)
+    conversation_id = (await aturn(chat, user, "First question"))[-1].conversation_id
+    elsewhere = (await aturn(chat, user, "Another chat"))[-1].conversation_id
+    views, view = await streaming(chat, user, conversation_id)
     assert view.conversation_id == conversation_id and chat.replying(user, conversation_id)
     before = store.messages(user, conversation_id)
 
@@ -351,91 +399,138 @@ def test_a_second_turn_while_a_reply_streams_is_refused_and_changes_nothing(chat
         assert str(refused.value) == BUSY
     assert store.messages(user, conversation_id) == before
     # Another of the user's chats goes on; another user learns nothing about this one.
-    assert turn(chat, user, "Meanwhile", elsewhere)[-1].conversation_id == elsewhere
+    assert (await aturn(chat, user, "Meanwhile", elsewhere))[-1].conversation_id == elsewhere
     assert not chat.replying(other, conversation_id)
     with pytest.raises(ChatInputError, match="doesn't exist"):
         chat.regenerate(other, conversation_id, greedy())
 
-    rest = list(views)  # the first reply finishes, and is stored; then the chat is free again
+    rest = await views_of(views)  # the first reply finishes, and is stored; then the chat is free again
     assert rest and not chat.replying(user, conversation_id)
     assert roles(store, user, conversation_id) == ["user", "assistant"] * 2
-    list(chat.regenerate(user, conversation_id, greedy()))
+    await views_of(chat.regenerate(user, conversation_id, greedy()))
     assert roles(store, user, conversation_id) == ["user", "assistant"] * 2
     assert engine_idle(client)
 
 
-def test_a_new_chat_is_held_from_its_first_view(chat, store):
+@pytest.mark.anyio
+async def test_a_user_has_at_most_a_few_replies_in_progress(chat, store, client):
+    user, other = new_user(), new_user()
+    chats = [(await aturn(chat, user, f"Chat number {i}"))[-1].conversation_id for i in range(MAX_REPLIES_PER_USER + 1)]
+    running = [await streaming(chat, user, conversation_id) for conversation_id in chats[:MAX_REPLIES_PER_USER]]
+    before = store.messages(user, chats[-1])
+    for attempt in (lambda: chat.send(user, chats[-1], "One more", SYSTEM, greedy()),
+                    lambda: chat.send(user, None, "A new chat", SYSTEM, greedy()),
+                    lambda: chat.regenerate(user, chats[-1], greedy())):
+        with pytest.raises(ChatInputError) as refused:
+            attempt()
+        assert str(refused.value) == TOO_MANY
+    assert store.messages(user, chats[-1]) == before and len(store.conversations(user)) == len(chats)
+    assert (await aturn(chat, other, "Someone else is not held back"))[-1].conversation_id is not None
+
+    views, _ = running.pop()
+    await views.aclose()  # one stopped: a slot is free again
+    assert (await aturn(chat, user, "Now it goes", chats[-1]))[-1].conversation_id == chats[-1]
+    for views, _ in running:
+        await views.aclose()
+    assert engine_idle(client)
+
+
+@pytest.mark.anyio
+async def test_a_new_chat_is_held_from_its_first_view(chat, store):
     user = new_user()
-    views, view = streaming(chat, user)
+    views, view = await streaming(chat, user)
     with pytest.raises(ChatInputError, match="still being written"):
         chat.send(user, view.conversation_id, "Me too", SYSTEM, greedy())
-    views.close()
+    await views.aclose()
     assert not chat.replying(user, view.conversation_id)
 
 
-def test_the_turn_is_released_however_the_reply_ends(chat, store, client, monkeypatch):
+@pytest.mark.anyio
+async def test_the_turn_is_released_however_the_reply_ends(chat, store, client):
     user = new_user()
-    conversation_id = turn(chat, user, "A chat to reuse")[-1].conversation_id
+    conversation_id = (await aturn(chat, user, "A chat to reuse"))[-1].conversation_id
 
-    def free() -> bool:  # the chat takes another turn (refused at once if it is still held)
+    async def free() -> bool:  # the chat takes another turn (refused at once if it is still held)
         views = chat.regenerate(user, conversation_id, greedy())
-        views.close()
+        await views.aclose()
         return not chat.replying(user, conversation_id)
 
-    list(chat.regenerate(user, conversation_id, greedy()))  # finished
-    assert free()
-    list(chat.send(user, conversation_id, "word " * 3000, SYSTEM, greedy()))  # refused by the engine
-    assert free()
-    views, _ = streaming(chat, user, conversation_id)  # closed mid-stream (Stop)
-    views.close()
-    assert free()
+    await views_of(chat.regenerate(user, conversation_id, greedy()))  # finished
+    assert await free()
+    await views_of(chat.send(user, conversation_id, "word " * 3000, SYSTEM, greedy()))  # refused by the engine
+    assert await free()
+    views, _ = await streaming(chat, user, conversation_id)  # closed mid-stream (Stop)
+    await views.aclose()
+    assert await free()
     views = chat.send(user, conversation_id, "Stopped before it started", SYSTEM, greedy())
-    views.close()  # closed before its first view: an unstarted generator runs no finally
-    assert free() and roles(store, user, conversation_id)[-1] == "assistant"  # nothing was stored
+    await views.aclose()  # closed before its first view: an unstarted generator runs no finally
+    assert await free() and roles(store, user, conversation_id)[-1] == "assistant"  # nothing was stored
     views = chat.send(user, conversation_id, "Dropped before it started", SYSTEM, greedy())
     del views  # dropped unstarted (a disconnect before the handler ran)
     gc.collect()
-    assert free()
+    assert await free()
     with pytest.raises(ChatInputError, match="Type a message first"):  # a mistake, found under the hold
         chat.send(user, conversation_id, "  ", SYSTEM, greedy())
-    assert free()
-
-    def failing_store(*args, **kwargs):
-        raise OSError("disk full")
-    monkeypatch.setattr(store, "replace_last_assistant", failing_store)
-    with pytest.raises(OSError, match="disk full"):  # storing the reply failed
-        list(chat.regenerate(user, conversation_id, greedy()))
-    monkeypatch.undo()
-    assert free()
+    assert await free()
+    assert chat._turns.in_progress(user) == 0  # every reply slot given back too
     assert engine_idle(client)
+
+
+# ---- the store failing mid-reply ----------------------------------------------------------------------
+def failing(*args, **kwargs):
+    raise OSError("disk full")
+
+
+def test_a_reply_the_store_cannot_keep_is_shown_with_an_error_and_nothing_half_written(chat, store, client,
+                                                                                       monkeypatch):
+    user = new_user()
+    conversation_id = turn(chat, user, "Keep my first reply")[-1].conversation_id
+    before = store.messages(user, conversation_id)
+    monkeypatch.setattr(store, "replace_last_assistant", failing)
+    views = collect(chat.regenerate(user, conversation_id, greedy()))
+    *_, reply, error = views[-1].messages
+    streamed = views[-2].messages[-1]["content"]
+    assert reply["role"] == "assistant" and reply["content"] == streamed and streamed.strip()  # the text read
+    assert UNSAVED_REPLY in error["content"] and "Error" in error["content"]
+    assert store.messages(user, conversation_id) == before  # the old reply, whole; no half of the new one
+    assert not chat.replying(user, conversation_id) and engine_idle(client)
+
+    monkeypatch.setattr(store, "add_message", failing)  # storing the user's message fails
+    views = collect(chat.send(user, None, "A new chat that cannot be stored", SYSTEM, greedy()))
+    assert len(views) == 1 and views[0].refused and views[0].conversation_id is None
+    assert UNSAVED_MESSAGE in views[0].messages[-1]["content"]
+    assert [c["id"] for c in store.conversations(user)] == [conversation_id]  # no conversation without it
+    assert chat._turns.in_progress(user) == 0 and engine_idle(client)
 
 
 def test_an_engine_error_ends_the_turn(store):
     class FailingClient:
-        def submit(self, messages, params, request_id, **options):
-            yield Delta(request_id, 0, "", (), finish_reason="error", error="RuntimeError: boom")
+        async def asubmit(self, messages, params, request_id, **options):
+            async def deltas():
+                yield Delta(request_id, 0, "", (), finish_reason="error", error="RuntimeError: boom")
+            return deltas()
 
         def abort(self, request_id):
             pass
 
     chat, user = ChatController(FailingClient(), store), new_user()
-    views = list(chat.send(user, None, "Fail me", SYSTEM, greedy()))
+    views = collect(chat.send(user, None, "Fail me", SYSTEM, greedy()))
     conversation_id = views[-1].conversation_id
     assert "boom" in views[-1].messages[-1]["content"] and not chat.replying(user, conversation_id)
-    list(chat.regenerate(user, conversation_id, greedy()))  # free again
+    collect(chat.regenerate(user, conversation_id, greedy()))  # free again
     assert roles(store, user, conversation_id) == ["user"]
 
 
 def test_a_busy_engine_refuses_the_turn_and_stores_nothing(store):
     class BusyClient:
-        def submit(self, messages, params, request_id, **options):
+        async def asubmit(self, messages, params, request_id, **options):
             raise EngineBusyError("the engine is busy: 256 requests are waiting (limit 256)")
 
         def abort(self, request_id):
             pass
 
     chat, user = ChatController(BusyClient(), store), new_user()
-    views = list(chat.send(user, None, "Anyone there?", SYSTEM, greedy()))
+    views = collect(chat.send(user, None, "Anyone there?", SYSTEM, greedy()))
     assert len(views) == 1 and views[0].refused and views[0].conversation_id is None
     assert "busy" in views[0].messages[-1]["content"] and "nothing was sent" in views[0].messages[-1]["content"]
     assert store.conversations(user) == []
@@ -459,7 +554,7 @@ def test_only_one_of_many_concurrent_turns_on_a_chat_starts(chat, store):
     for thread in threads:
         thread.join()
     assert len(started) == 1 and refused == [BUSY] * 7
-    list(started[0])
+    collect(started[0])
     assert not chat.replying(user, conversation_id)
 
 

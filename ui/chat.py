@@ -8,15 +8,17 @@ passes it explicitly); `identity.resolve_user` checks it, or takes the Space's O
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing, contextmanager
 
 import gradio as gr
 
 from engine import EngineClient
 from storage import Store
 from ui import identity, params, presets
-from ui.conversation import ChatController, ChatInputError, ChatView, checked_id
+from ui.conversation import ChatController, ChatInputError, ChatView, ReplyViews, checked_id
+from ui.sessions import Sessions, until_gone
 
 # A fixed key and secret keep the browser's id readable across server restarts; the id is
 # the browser's own, so the encryption only guards against casual reading of localStorage.
@@ -33,13 +35,18 @@ def shown_to_user() -> Iterator[None]:
         raise gr.Error(str(error)) from None
 
 
-def relay(views: Iterator[ChatView], outputs: Callable[[ChatView], tuple]) -> Iterator[tuple]:
-    """The controller's views as an event's outputs. Stop cancels the event and Gradio closes
-    this generator; closing the controller's at once aborts the engine request and stores the
-    partial reply as stopped."""
-    with closing(views), shown_to_user():
-        for view in views:
-            yield outputs(view)
+async def relay(views: ReplyViews, outputs: Callable[[ChatView], tuple],
+                gone: asyncio.Event | None) -> AsyncIterator[tuple]:
+    """The controller's views as an event's outputs, until they end or the browser is `gone`.
+    Stop cancels the event; either way the reply being written is cancelled at once: the engine
+    request is aborted and the partial reply stored as stopped."""
+    try:
+        with shown_to_user():
+            async with aclosing(until_gone(views, gone)) as shown:
+                async for view in shown:
+                    yield outputs(view)
+    finally:
+        await views.aclose()
 
 
 def reply_controls(replying: bool) -> tuple[gr.Button, ...]:
@@ -52,9 +59,14 @@ def chat_and_id(view: ChatView) -> tuple:
     return view.messages, view.conversation_id
 
 
-def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
-    """The chat page around one engine client and one store."""
+def build_chat(client: EngineClient, store: Store, sessions: Sessions | None = None) -> gr.Blocks:
+    """The chat page around one engine client and one store. With `sessions` (watched by the
+    server's middleware), a reply whose browser disconnects is cancelled at once."""
     chat = ChatController(client, store)
+
+    def gone(request: gr.Request | None) -> asyncio.Event | None:
+        session = request.session_hash if request is not None else None
+        return sessions.gone(session) if sessions is not None and session else None
 
     def conversation_list(user: str, selected: int | None, query: str = "") -> gr.Radio:
         with shown_to_user():
@@ -66,29 +78,39 @@ def build_chat(client: EngineClient, store: Store) -> gr.Blocks:
         user = identity.resolve_user(browser_id, profile)
         return browser_id, user, conversation_list(user, None)
 
-    def on_send(user_id: str, conversation_id: int | None, message: str, preset: str, custom: str,
-                temperature: float, top_p: float, max_tokens: float,
-                profile: gr.OAuthProfile | None = None) -> Iterator[tuple]:
+    # A reply's handlers are async generators: a reply waiting for its next token holds no
+    # thread, and Stop or a closed tab cancels it at once. The controller's checks and first
+    # store reads run on a worker thread.
+    async def on_send(user_id: str, conversation_id: int | None, message: str, preset: str, custom: str,
+                      temperature: float, top_p: float, max_tokens: float, request: gr.Request,
+                      profile: gr.OAuthProfile | None = None) -> AsyncIterator[tuple]:
         user = identity.resolve_user(user_id, profile)
         with shown_to_user():
-            views = chat.send(user, conversation_id, message, presets.system_prompt(preset, custom),
-                              (temperature, top_p, max_tokens))
+            views = await asyncio.to_thread(chat.send, user, conversation_id, message,
+                                            presets.system_prompt(preset, custom), (temperature, top_p, max_tokens))
         # A refused message stays in the box, to be shortened.
-        yield from relay(views, lambda view: (*chat_and_id(view), message if view.refused else ""))
+        async for outputs in relay(views, lambda view: (*chat_and_id(view), message if view.refused else ""),
+                                   gone(request)):
+            yield outputs
 
-    def on_regenerate(user_id: str, conversation_id: int | None, temperature: float, top_p: float,
-                      max_tokens: float, profile: gr.OAuthProfile | None = None) -> Iterator[tuple]:
+    async def on_regenerate(user_id: str, conversation_id: int | None, temperature: float, top_p: float,
+                            max_tokens: float, request: gr.Request,
+                            profile: gr.OAuthProfile | None = None) -> AsyncIterator[tuple]:
         user = identity.resolve_user(user_id, profile)
         with shown_to_user():
-            views = chat.regenerate(user, conversation_id, (temperature, top_p, max_tokens))
-        yield from relay(views, chat_and_id)
+            views = await asyncio.to_thread(chat.regenerate, user, conversation_id, (temperature, top_p, max_tokens))
+        async for outputs in relay(views, chat_and_id, gone(request)):
+            yield outputs
 
-    def on_edit(user_id: str, conversation_id: int | None, edited: str, temperature: float, top_p: float,
-                max_tokens: float, profile: gr.OAuthProfile | None = None) -> Iterator[tuple]:
+    async def on_edit(user_id: str, conversation_id: int | None, edited: str, temperature: float, top_p: float,
+                      max_tokens: float, request: gr.Request,
+                      profile: gr.OAuthProfile | None = None) -> AsyncIterator[tuple]:
         user = identity.resolve_user(user_id, profile)
         with shown_to_user():
-            views = chat.edit_last(user, conversation_id, edited, (temperature, top_p, max_tokens))
-        yield from relay(views, chat_and_id)
+            views = await asyncio.to_thread(chat.edit_last, user, conversation_id, edited,
+                                            (temperature, top_p, max_tokens))
+        async for outputs in relay(views, chat_and_id, gone(request)):
+            yield outputs
 
     def on_turn_end(user_id: str, conversation_id: int | None, query: str,
                     profile: gr.OAuthProfile | None = None):

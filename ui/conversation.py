@@ -4,18 +4,21 @@ chat, and the reply flow behind Send, Regenerate and Resend edited message.
 Every method names the user; every store call passes it on. A user's mistake raises
 `ChatInputError`, whose text the page shows as is; so does a conversation id that is another
 user's, missing or not a whole number (the store's `NotFound`, worded so as never to say which).
-A reply is an iterator of `ChatView`s: the page shows each as it comes. Closing it mid-reply (the
-Stop button) aborts the engine request and stores the partial reply as stopped. A conversation
-has one reply in progress at a time: a second send, regenerate or edit meanwhile is refused.
+A reply is an async iterator of `ChatView`s: the page shows each as it comes, and waiting for the
+next token holds no thread. Closing it mid-reply, or cancelling the task that reads it (the Stop
+button, a browser gone), aborts the engine request and stores the partial reply as stopped. A
+conversation has one reply in progress at a time, and a user at most MAX_REPLIES_PER_USER: a
+turn beyond either is refused with a message, before anything is stored.
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import aclosing, contextmanager
 from typing import NamedTuple
 
 from engine import EngineBusyError, EngineClient, SamplingParams
@@ -28,8 +31,14 @@ log = logging.getLogger(__name__)
 TITLE_CHARS = 48
 STOP_WAIT_S = 5.0
 MAX_CONVERSATION_ID = 2**63 - 1  # SQLite's largest integer: beyond it no row can exist
+MAX_REPLIES_PER_USER = 4  # replies one user may have in progress at once, across their chats
 NOT_YOURS = "That conversation doesn't exist or isn't yours."
 BUSY = "A reply is still being written in this chat: wait for it or press Stop."
+TOO_MANY = (f"You already have {MAX_REPLIES_PER_USER} replies being written: wait for one to finish "
+            "(or stop one), then try again. Nothing was sent.")
+UNSAVED_MESSAGE = "Your message could not be saved (a storage error): nothing was sent. Try again in a moment."
+UNSAVED_REPLY = ("This reply could not be saved (a storage error): it is shown here, but it will not be in "
+                 "the chat when you open it again. Copy what you need, or regenerate it.")
 BUSY_ENGINE = "The server is busy with other chats right now: nothing was sent. Try again in a moment."
 
 # (temperature, top_p, max new tokens) as the sliders give them; checked by the controller.
@@ -79,11 +88,13 @@ class OpenedChat(NamedTuple):
 
 
 class Turn:
-    """One reply's hold on its conversation; `release()` may be called any number of times."""
+    """One reply's hold on its user's reply slot and its conversation; `release()` may be called
+    any number of times."""
 
     def __init__(self, turns: Turns, user: str) -> None:
         self._turns, self.user = turns, user
         self._held: list[int] = []
+        self._has_slot = True  # Turns.start took it
         self._lock = threading.Lock()
 
     def hold(self, conversation_id: int) -> None:
@@ -95,28 +106,48 @@ class Turn:
     def release(self) -> None:
         with self._lock:
             held, self._held = self._held, []
+            had_slot, self._has_slot = self._has_slot, False
         for conversation_id in held:
             self._turns._release(self.user, conversation_id)
+        if had_slot:
+            self._turns._free_slot(self.user)
 
 
 class Turns:
-    """The conversations with a reply in progress, one reply each; thread-safe. Conversations
-    are keyed with their owner, so asking about another user's id says nothing."""
+    """The replies in progress: one per conversation, at most `max_per_user` per user;
+    thread-safe. Conversations are keyed with their owner, so asking about another user's id
+    says nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_per_user: int = MAX_REPLIES_PER_USER) -> None:
+        self.max_per_user = max_per_user
         self._lock = threading.Lock()
         self._ending: dict[tuple[str, int], threading.Event] = {}
+        self._per_user: dict[str, int] = {}
 
     def start(self, user: str, conversation_id: int | None) -> Turn:
-        """A turn holding `conversation_id` (a new conversation is held once created)."""
+        """A turn holding one of the user's slots and `conversation_id` (a new conversation is
+        held once created); TOO_MANY or BUSY if it may not start."""
+        with self._lock:
+            if self._per_user.get(user, 0) >= self.max_per_user:
+                raise ChatInputError(TOO_MANY)
+            self._per_user[user] = self._per_user.get(user, 0) + 1
         turn = Turn(self, user)
         if conversation_id is not None:
-            turn.hold(conversation_id)
+            try:
+                turn.hold(conversation_id)
+            except BaseException:
+                turn.release()
+                raise
         return turn
 
     def busy(self, user: str, conversation_id: int | None) -> bool:
         with self._lock:
             return (user, conversation_id) in self._ending
+
+    def in_progress(self, user: str) -> int:
+        """The user's replies in progress now."""
+        with self._lock:
+            return self._per_user.get(user, 0)
 
     def wait(self, user: str, conversation_id: int | None, timeout: float) -> None:
         """Until the conversation's reply (if any) has ended and been stored, or `timeout`."""
@@ -136,24 +167,32 @@ class Turns:
             ended = self._ending.pop((user, conversation_id))
         ended.set()
 
+    def _free_slot(self, user: str) -> None:
+        with self._lock:
+            left = self._per_user[user] - 1
+            if left:
+                self._per_user[user] = left
+            else:
+                del self._per_user[user]
 
-class ReplyViews(Iterator[ChatView]):
-    """A reply's views, holding its conversation's turn until they end. The views' generator
-    releases the turn in its `finally` however it ends once started; but closing a generator
-    that never started runs no `finally` (Stop before the first view), so `close()` releases it
-    too, and so does garbage collection of an iterator that was dropped unstarted."""
 
-    def __init__(self, views: Iterator[ChatView], turn: Turn) -> None:
+class ReplyViews(AsyncIterator[ChatView]):
+    """A reply's views, holding its turn until they end. The views' generator releases the turn
+    in its `finally` however it ends once started; but closing a generator that never started
+    runs no `finally` (Stop before the first view), so `aclose()` releases it too, and so does
+    garbage collection of an iterator that was dropped unstarted."""
+
+    def __init__(self, views: AsyncIterator[ChatView], turn: Turn) -> None:
         self._views = views
         self._release = weakref.finalize(self, turn.release)  # runs once: here, or on collection
 
-    def __next__(self) -> ChatView:
+    async def __anext__(self) -> ChatView:
         with found():  # the conversation deleted meanwhile
-            return next(self._views)
+            return await anext(self._views)
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         try:
-            self._views.close()
+            await self._views.aclose()
         finally:
             self._release()
 
@@ -229,7 +268,7 @@ class ChatController:
     # ---- replies: each says what differs, `_reply` does the rest -------------------------------
     @owned
     def send(self, user: str, conversation_id: int | None, message: str, system_prompt: str,
-             sliders: Sliders) -> Iterator[ChatView]:
+             sliders: Sliders) -> ReplyViews:
         """A new user message and its reply; the first one creates the conversation, titled
         from the message. A prompt the engine refuses stores nothing."""
         conversation_id = checked_id(conversation_id)
@@ -247,16 +286,17 @@ class ChatController:
     def _store_message(self, user: str, conversation_id: int | None, text: str, system_prompt: str) -> int:
         """Send's user side: the message stored (in a new conversation, titled from it, if none is
         open; with the system prompt as now chosen); returns the conversation's id."""
-        if conversation_id is None:
-            conversation_id = self.store.create_conversation(user, title=text[:TITLE_CHARS],
-                                                             system_prompt=system_prompt)["id"]
-        elif self.store.conversation(user, conversation_id)["system_prompt"] != system_prompt:
-            self.store.set_system_prompt(user, conversation_id, system_prompt)
-        self.store.add_message(user, conversation_id, "user", text)
+        with self.store.transaction():  # never a new conversation without its first message
+            if conversation_id is None:
+                conversation_id = self.store.create_conversation(user, title=text[:TITLE_CHARS],
+                                                                 system_prompt=system_prompt)["id"]
+            elif self.store.conversation(user, conversation_id)["system_prompt"] != system_prompt:
+                self.store.set_system_prompt(user, conversation_id, system_prompt)
+            self.store.add_message(user, conversation_id, "user", text)
         return conversation_id
 
     @owned
-    def regenerate(self, user: str, conversation_id: int | None, sliders: Sliders) -> Iterator[ChatView]:
+    def regenerate(self, user: str, conversation_id: int | None, sliders: Sliders) -> ReplyViews:
         """A new reply in place of the last one (or a reply to a last message that has none)."""
         conversation_id = checked_id(conversation_id)
         sampling = checked_sampling(sliders)
@@ -270,7 +310,7 @@ class ChatController:
                                self._replace_reply if replacing else self._add_reply)
 
     @owned
-    def edit_last(self, user: str, conversation_id: int | None, edited: str, sliders: Sliders) -> Iterator[ChatView]:
+    def edit_last(self, user: str, conversation_id: int | None, edited: str, sliders: Sliders) -> ReplyViews:
         """The user's last message replaced by `edited`, its reply dropped, and a new reply."""
         conversation_id = checked_id(conversation_id)
         text = checked_text(edited, "edited message").strip()
@@ -305,54 +345,66 @@ class ChatController:
         """The reply flow, holding `turn` until the reply has ended and been stored."""
         return ReplyViews(self._views(turn, user, conversation_id, system_prompt, rows, sampling, before, save), turn)
 
-    def _views(self, turn: Turn, user: str, conversation_id: int | None, system_prompt: str, rows: list[dict],
-               sampling: SamplingParams, before: Callable[[], int] | None, save: SaveReply) -> Iterator[ChatView]:
+    async def _views(self, turn: Turn, user: str, conversation_id: int | None, system_prompt: str,
+                     rows: list[dict], sampling: SamplingParams, before: Callable[[], int] | None,
+                     save: SaveReply) -> AsyncIterator[ChatView]:
         """Submit `rows` (the refusal view, storing nothing, if the engine will not take them);
         then `before()` stores the user's side and names the conversation, and that view is
-        shown; then the reply streams and `save` stores it with its numbers."""
+        shown; then the reply streams and `save` stores it with its numbers. Store calls run on
+        worker threads: SQLite may wait for a lock, and the event loop must not."""
         try:
             shown = render.chat_messages(rows)
             try:
-                reply = start_reply(self.client, prompt_of(system_prompt, rows), sampling, conversation_id, user)
+                reply = await start_reply(self.client, prompt_of(system_prompt, rows), sampling, conversation_id, user)
             except ValueError as error:
                 yield ChatView(shown + [render.error_message(refusal(error))], conversation_id, refused=True)
                 return
             except EngineBusyError:
                 yield ChatView(shown + [render.error_message(BUSY_ENGINE)], conversation_id, refused=True)
                 return
-            with closing(reply):  # aborts the request however this generator ends, even before streaming
+            try:  # the request is aborted however this generator ends, even before streaming
                 if before is not None:
                     created = conversation_id is None
-                    conversation_id = before()
+                    try:
+                        conversation_id = await asyncio.to_thread(before)
+                    except NotFound:
+                        raise
+                    except Exception:  # the store failed: nothing was written (one transaction)
+                        log.exception("could not store the user's message")
+                        yield ChatView(shown + [render.error_message(UNSAVED_MESSAGE)], conversation_id, refused=True)
+                        return
                     if created:
                         turn.hold(conversation_id)
                     yield ChatView(shown, conversation_id)
-                yield from self._stream(reply, shown, conversation_id, functools.partial(save, user, conversation_id))
+                saved = functools.partial(asyncio.to_thread, save, user, conversation_id)
+                # Closed with this generator: unlike `yield from`, `async for` would leave it open.
+                async with aclosing(self._stream(reply, shown, conversation_id, saved)) as views:
+                    async for view in views:
+                        yield view
+            finally:
+                await reply.aclose()
         finally:
             turn.release()
 
-    def _stream(self, reply: ReplyStream, shown: list[dict], conversation_id: int,
-                save: Callable[[str, dict], dict]) -> Iterator[ChatView]:
-        """Show the reply as it grows, then store it with its numbers. Closing this generator
-        aborts the engine request and stores the partial reply as stopped."""
+    async def _stream(self, reply: ReplyStream, shown: list[dict], conversation_id: int,
+                      save: Callable[[str, dict], Awaitable[dict]]) -> AsyncIterator[ChatView]:
+        """Show the reply as it grows, then store it with its numbers. Closing this generator or
+        cancelling its reader aborts the engine request and stores the partial reply as stopped."""
         completed = False
         try:
-            for _ in reply:
+            async for _ in reply:
                 live = {"role": "assistant", "content": reply.text or "…"}
                 yield ChatView(shown + [render.chat_message(live)], conversation_id)
             completed = True
         finally:
-            reply.close()
+            await reply.aclose()
             if not completed:
-                try:
-                    if reply.text.strip():
-                        save(reply.text, {**reply.metrics(), "finish_reason": "abort", "stopped": True})
-                except Exception:  # never mask the close; the reply is lost, the app goes on
-                    log.exception("could not store a stopped reply")
+                if reply.text.strip():  # never mask the close: a store failure is logged, the app goes on
+                    await kept(save, reply.text, {**reply.metrics(), "finish_reason": "abort", "stopped": True})
         if reply.finish_reason == "error" or (reply.finish_reason == "abort" and not reply.text):
             problem = reply.error or "the engine ended this reply early"
             if reply.text.strip():
-                save(reply.text, reply.metrics())
+                await kept(save, reply.text, reply.metrics())  # the error below says enough if this fails
             yield ChatView(shown + [render.error_message(f"The engine could not finish this reply: {problem}. "
                                                          "Try again or start a new chat.")], conversation_id)
             return
@@ -362,7 +414,12 @@ class ChatController:
         metrics = reply.metrics()
         if reply.finish_reason == "abort":
             metrics.update(finish_reason="abort", stopped=True)
-        yield ChatView(shown + [render.chat_message(save(reply.text, metrics))], conversation_id)
+        stored = await kept(save, reply.text, metrics)
+        if stored is None:  # show the text the user has read, and say it is not kept
+            yield ChatView(shown + [render.chat_message({"role": "assistant", "content": reply.text}),
+                                    render.error_message(UNSAVED_REPLY)], conversation_id)
+            return
+        yield ChatView(shown + [render.chat_message(stored)], conversation_id)
 
     def _add_reply(self, user: str, conversation_id: int, text: str, metrics: dict) -> dict:
         return self.store.add_message(user, conversation_id, "assistant", text, **metrics)
@@ -375,6 +432,18 @@ class ChatController:
 
     def _system_prompt(self, user: str, conversation_id: int) -> str:
         return self.store.conversation(user, conversation_id)["system_prompt"]
+
+
+async def kept(save: Callable[[str, dict], Awaitable[dict]], text: str, metrics: dict) -> dict | None:
+    """The stored reply, or None if the store failed (logged). A conversation deleted meanwhile
+    still raises NotFound: the user is told it is gone."""
+    try:
+        return await save(text, metrics)
+    except NotFound:
+        raise
+    except Exception:
+        log.exception("could not store a reply")
+        return None
 
 
 def last_user_index(rows: list[dict]) -> int | None:

@@ -3,20 +3,21 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 from engine import Delta, EngineClient, SamplingParams, Usage, decode_rate
 from ui import presets
 
 
 class ReplyStream:
-    """Iterating yields this object again after each delta, its text grown. `close()` (also
-    when the consumer is closed mid-reply) aborts the engine request so its blocks free at once.
+    """Iterating (`async for`) yields this object again after each delta, its text grown; the
+    waits hold no thread. `aclose()` aborts the engine request so its blocks free at once; so does
+    cancelling the task that iterates.
 
     Created by `start_reply`, which submits at once: a prompt the engine refuses (too long for
     the KV cache, empty) raises ValueError there, before anything is shown or stored."""
 
-    def __init__(self, deltas: Iterator[Delta], abort: Callable[[], None] | None = None) -> None:
+    def __init__(self, deltas: AsyncIterator[Delta], abort: Callable[[], None] | None = None) -> None:
         self._deltas = deltas
         self._abort = abort
         self.text = ""
@@ -27,8 +28,8 @@ class ReplyStream:
         self._started = time.perf_counter()
         self._first_token_at: float | None = None
 
-    def __iter__(self) -> Iterator[ReplyStream]:
-        for delta in self._deltas:
+    async def __aiter__(self) -> AsyncIterator[ReplyStream]:
+        async for delta in self._deltas:
             if delta.token_ids and self._first_token_at is None:
                 self._first_token_at = time.perf_counter()
             self.text += delta.text
@@ -37,8 +38,8 @@ class ReplyStream:
                 self.finish_reason, self.usage, self.error = delta.finish_reason, delta.usage, delta.error
             yield self
 
-    def close(self) -> None:
-        self._deltas.close()  # EngineClient aborts a request whose iterator closes early...
+    async def aclose(self) -> None:
+        await self._deltas.aclose()  # EngineClient aborts a request whose iterator closes early...
         if self.finish_reason is None and self._abort is not None:
             self._abort()  # ...but not one never iterated: closing an unstarted generator runs nothing
 
@@ -59,14 +60,14 @@ class ReplyStream:
                 "finish_reason": self.finish_reason}
 
 
-def start_reply(client: EngineClient, messages: list[dict], params: SamplingParams,
-                conversation_id: int | None = None, user: str | None = None) -> ReplyStream:
+async def start_reply(client: EngineClient, messages: list[dict], params: SamplingParams,
+                      conversation_id: int | None = None, user: str | None = None) -> ReplyStream:
     """Submit a conversation. The request id starts with the conversation (`chat12/…`, or
     `chat-new-…` before the first reply creates it): the live panel tints blocks by it.
     With `user`, the prefix cache keeps everything after a preset system prompt to that user:
     another user sending the same text hits only the preset's blocks."""
     conversation = f"chat{int(conversation_id)}" if conversation_id is not None else f"chat-new-{uuid.uuid4().hex[:6]}"
     request_id = f"{conversation}/{uuid.uuid4().hex[:8]}"
-    deltas = client.submit(messages, params, request_id=request_id, cache_salt=user,
-                           num_shared_messages=presets.num_shared_messages(messages))
+    deltas = await client.asubmit(messages, params, request_id=request_id, cache_salt=user,
+                                  num_shared_messages=presets.num_shared_messages(messages))
     return ReplyStream(deltas, lambda: client.abort(request_id))

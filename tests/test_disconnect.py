@@ -1,0 +1,138 @@
+"""A browser that goes away mid-turn, over real HTTP: the app served by uvicorn, a turn started as
+Gradio's own client starts one (POST queue/join, then the session's event stream), and the
+connection closed — before the reply's first token and mid-stream. The engine request must be
+gone, and its blocks back, within a second."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import httpx
+import pytest
+
+pytest.importorskip("gradio")
+from served_app import serve  # noqa: E402
+
+from engine import SamplingParams  # noqa: E402
+
+LONG_STORY = "Write a very long story about a lighthouse."
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory):
+    """One sequence at a time, so a second request waits for its first token as long as we like."""
+    from engine.client import EngineClient
+    from engine.llm_engine import LLMEngine
+    from storage import Store
+
+    client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=96, num_cpu_blocks=32, max_num_seqs=1))
+    store = Store(tmp_path_factory.mktemp("disconnect") / "chat.db")
+    demo, url = serve(client, store)
+    try:
+        yield client, store, url
+    finally:
+        demo.close()
+        client.close()
+
+
+def fn_index(url: str, api_name: str) -> int:
+    config = httpx.get(f"{url}config", timeout=10).json()
+    return next(d["id"] for d in config["dependencies"] if d.get("api_name") == api_name)
+
+
+def open_turn(url: str, user: str, text: str, max_tokens: int) -> tuple[httpx.Client, httpx.Response]:
+    """Start a Send as a browser does and open its event stream: (connection, stream)."""
+    session_hash = uuid.uuid4().hex[:11]
+    http = httpx.Client(base_url=url, timeout=30)
+    joined = http.post("gradio_api/queue/join", json={
+        "data": [user, None, text, "None", "", 0.0, 1.0, max_tokens], "fn_index": fn_index(url, "send"),
+        "session_hash": session_hash, "event_data": None, "trigger_id": None})
+    joined.raise_for_status()
+    stream = http.send(http.build_request("GET", "gradio_api/queue/data", params={"session_hash": session_hash}),
+                       stream=True)
+    return http, stream
+
+
+def messages(stream: httpx.Response):
+    for line in stream.iter_lines():
+        if line.startswith("data:"):
+            yield json.loads(line[len("data:"):])
+
+
+def idle_within(client, seconds: float) -> float | None:
+    """Seconds until no request runs, waits or is swapped and no device block is in use."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        stats = client.stats()
+        if stats.num_running + stats.num_waiting + stats.num_swapped == 0 and stats.device_blocks_used == 0:
+            return time.monotonic() - started
+        time.sleep(0.01)
+    return None
+
+
+def chat_blocks(client) -> int:
+    """Device blocks held by chat requests (their ids start with `chat`)."""
+    return sum(any(owner.startswith("chat") for owner in block.owners) for block in client.block_map().device)
+
+
+def new_user() -> str:
+    return f"anon:{uuid.uuid4().hex}"
+
+
+def test_a_browser_gone_before_the_first_token_frees_its_request_at_once(served):
+    client, store, url = served
+    blocker = client.submit("Keep the only sequence slot busy.",
+                            SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
+    next(blocker)  # it runs; a chat turn now waits for the slot
+    user = new_user()
+    http, stream = open_turn(url, user, "Waiting for my turn", max_tokens=64)
+    try:
+        # The first view (the user's message, stored) arrives while the request waits for a slot;
+        # after it, the handler has nothing to yield until the first token.
+        first = next(m for m in messages(stream) if m.get("msg") in ("process_generating", "process_completed"))
+        assert first["msg"] == "process_generating"
+        deadline = time.monotonic() + 5
+        while client.stats().num_waiting != 1:  # the stats are the latest step's
+            assert time.monotonic() < deadline, "the turn never reached the engine"
+            time.sleep(0.005)
+        stream.close()
+        http.close()  # the browser is gone
+        closed_at = time.monotonic()
+        while client.stats().num_waiting or chat_blocks(client):  # neither waiting nor running
+            assert time.monotonic() - closed_at < 1.0, "the waiting request outlived its browser"
+            time.sleep(0.01)
+        assert client.stats().num_running == 1  # the blocker alone: the chat's request is gone
+    finally:
+        blocker.close()  # aborts it
+    assert idle_within(client, 2.0) is not None
+    [conversation] = store.conversations(user)
+    assert [m["role"] for m in store.messages(user, conversation["id"])] == ["user"]  # no reply was written
+
+
+def test_a_browser_gone_mid_stream_frees_its_blocks_within_a_second_and_keeps_the_partial_reply(served):
+    client, store, url = served
+    user = new_user()
+    http, stream = open_turn(url, user, LONG_STORY, max_tokens=900)
+    try:
+        for message in messages(stream):
+            if message.get("msg") == "process_generating" and client.stats().num_running == 1 \
+                    and client.stats().device_blocks_used > 0:
+                break  # the reply is streaming to us
+            assert message.get("msg") != "process_completed", f"the reply ended before we left: {message}"
+    finally:
+        stream.close()
+        http.close()
+    took = idle_within(client, 1.0)
+    assert took is not None, f"the request outlived its browser: {client.stats()}"
+
+    deadline = time.monotonic() + 5  # the stopped reply is stored as the handler ends
+    while True:
+        [conversation] = store.conversations(user)
+        stored = store.messages(user, conversation["id"])
+        if len(stored) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert [m["role"] for m in stored] == ["user", "assistant"]
+    assert stored[1]["stopped"] and stored[1]["finish_reason"] == "abort" and stored[1]["content"].strip()
+    assert 0 < stored[1]["completion_tokens"] < 900

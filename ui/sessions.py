@@ -1,0 +1,120 @@
+"""Which browser sessions are still connected, so a reply stops the moment its reader leaves.
+
+Gradio sends every event's output to a browser session over one server-sent-event stream
+(GET `…/queue/data?session_hash=…`). When that connection drops (a closed tab, a lost network),
+Gradio only marks the session's jobs dead, and a streaming handler learns of it at its next
+yield, which for a reply still waiting for its first token can be many seconds away, all that time
+holding the request's KV blocks. `SessionWatch` is ASGI middleware that sees the stream's
+disconnect as it happens and sets the session's event in `Sessions`; `until_gone` ends a
+handler's stream of views the moment that event is set, cancelling the view being produced.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import parse_qs
+
+from starlette.middleware import Middleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+EVENT_STREAM_PATH = "/queue/data"  # Gradio's per-session event stream (after its API prefix)
+
+
+class Sessions:
+    """Browser sessions by Gradio's session hash: an event set when the session's event stream
+    disconnects. Lives on the event loop's thread (the middleware and async handlers use it)."""
+
+    def __init__(self) -> None:
+        self._gone: dict[str, asyncio.Event] = {}
+
+    def gone(self, session_hash: str) -> asyncio.Event:
+        """Set once the session's browser has disconnected. A handler may ask before the
+        browser has opened its event stream (it opens it just after submitting the event)."""
+        event = self._gone.get(session_hash)
+        if event is None:
+            event = self._gone[session_hash] = asyncio.Event()
+        return event
+
+    def app_kwargs(self) -> dict[str, Any]:
+        """What `Blocks.launch(app_kwargs=...)` needs to watch this app's sessions."""
+        return {"middleware": [Middleware(SessionWatch, sessions=self)]}
+
+    def _opened(self, session_hash: str) -> asyncio.Event:
+        event = self._gone.get(session_hash)
+        if event is None or event.is_set():  # a session that came back gets a fresh event
+            event = self._gone[session_hash] = asyncio.Event()
+        return event
+
+    def _ended(self, session_hash: str, event: asyncio.Event, disconnected: bool) -> None:
+        if disconnected:
+            event.set()
+        # A stream that ends by itself has delivered every event; a handler that asks later gets
+        # a new one. Entries never outlive their stream, so the map stays as small as the streams.
+        if self._gone.get(session_hash) is event:
+            del self._gone[session_hash]
+
+
+class SessionWatch:
+    """ASGI middleware: tells `sessions` when a session's event stream disconnects."""
+
+    def __init__(self, app: ASGIApp, sessions: Sessions) -> None:
+        self.app = app
+        self.sessions = sessions
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        session_hash = _event_stream_session(scope)
+        if session_hash is None:
+            await self.app(scope, receive, send)
+            return
+        event = self.sessions._opened(session_hash)
+        disconnected = False
+
+        async def watched_receive() -> Message:
+            nonlocal disconnected
+            message = await receive()
+            if message["type"] == "http.disconnect" and not disconnected:
+                disconnected = True
+                event.set()  # at once: the response may take a while to notice
+            return message
+
+        try:
+            await self.app(scope, watched_receive, send)
+        finally:
+            self.sessions._ended(session_hash, event, disconnected)
+
+
+def _event_stream_session(scope: Scope) -> str | None:
+    if scope["type"] != "http" or scope.get("method") != "GET" or not scope["path"].endswith(EVENT_STREAM_PATH):
+        return None
+    hashes = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("session_hash")
+    return hashes[0] if hashes else None
+
+
+async def until_gone(items: AsyncIterator, gone: asyncio.Event | None) -> AsyncIterator:
+    """`items` until they end or `gone` is set; then the item being produced is cancelled (its
+    generator's cleanup runs: the engine request is aborted) and this ends. Cancelling this
+    cancels that item too."""
+    if gone is None:
+        async for item in items:
+            yield item
+        return
+    left = asyncio.ensure_future(gone.wait())
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(items))
+            try:
+                await asyncio.wait({step, left}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not step.done():  # the session is gone, or this was cancelled: stop the producer
+                    step.cancel()
+                    await asyncio.gather(step, return_exceptions=True)  # its cleanup (abort, save) runs
+            if step.cancelled():
+                return
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        left.cancel()
