@@ -159,7 +159,7 @@ def sample_map() -> BlockMap:
 
 def test_cell_states_colours_and_titles():
     bm = sample_map()
-    device = block_cells(bm.device)
+    device = block_cells(bm.device, show_private=True)
     assert [c.state for c in device] == ["free", "cached", "used", "shared", "used", "used"]
     assert device[0].color == FREE_COLOR and device[1].color == CACHED_COLOR and device[3].color == SHARED_COLOR
     assert device[2].color == device[5].color == owner_color("a")  # same owner, same colour
@@ -174,6 +174,14 @@ def test_cell_states_colours_and_titles():
     assert "hash" not in device[0].title and "owners" not in device[0].title
     assert [c.state for c in block_cells(bm.host)] == ["used", "free"]
     assert all(c.num_blocks == 1 and sum(n for _, n in c.counts) == 1 for c in device)
+
+
+def test_a_visitors_cells_name_no_owners_and_no_hashes():
+    bm = sample_map()
+    operator, visitor = block_cells(bm.device, show_private=True), block_cells(bm.device)
+    assert visitor[3].title == "block 3: shared; refs 2; tokens 4"
+    assert [c.title.split("; owners")[0].split("; hash")[0] for c in operator] == [c.title for c in visitor]
+    assert [(c.state, c.color, c.counts) for c in operator] == [(c.state, c.color, c.counts) for c in visitor]
 
 
 def test_owner_colour_is_stable_and_never_the_shared_orange():
@@ -230,7 +238,7 @@ def test_cells_and_summary_from_a_real_scheduler():
 def test_html_escapes_hostile_request_ids():
     evil = '<img src=x onerror=alert(1)>'
     bm = BlockMap(4, (info(0, BlockState.USED, 1, [evil], 4), info(1, BlockState.USED, 2, [evil, '"q"'], 4)), ())
-    cells = block_cells(bm.device)
+    cells = block_cells(bm.device, show_private=True)
     out = render_html(cells, columns=2)
     assert "<img" not in out and "&lt;img src=x onerror=alert(1)&gt;" in out
     assert '"q"' not in out and "&quot;q&quot;" in out

@@ -1,8 +1,12 @@
-"""The load generator is the operator's: the decision (ui/panel/operator.py), and its refusal
-through a real server whose visitors are not the operator."""
+"""The load generator and the block map's owners and hashes are the operator's: the decision
+(ui/panel/operator.py), and through a real server whose visitors are not the operator, the
+load generator's refusal and a block map without them."""
 from __future__ import annotations
 
+import json
+import re
 import time
+import uuid
 
 import pytest
 
@@ -42,6 +46,7 @@ def test_the_admin_token_lets_in_whoever_gives_it():
 
 # ---- through a real server ------------------------------------------------------------------------
 gr = pytest.importorskip("gradio")
+import httpx  # noqa: E402
 from gradio_client import Client  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 from served_app import served_with_load  # noqa: E402
@@ -88,3 +93,65 @@ def test_the_admin_token_starts_and_stops_it(public_app, monkeypatch):
     status = session.predict(TOKEN, api_name="/stop_load")
     assert 'data-running="false"' in status and not load.status().running
     session.close()
+
+
+def panel_tick(url: str, session: str, token: str) -> str | dict:
+    """What one tick of the panel sends a page for its block map: the HTML, or Gradio's "no
+    change" update. The tick is hidden from gradio_client, so this asks for it as a page does,
+    through the queue; the server keeps the page's State per `session`."""
+    with httpx.Client(base_url=url, timeout=60) as http:
+        config = http.get("config").json()
+        block_map = next(c["id"] for c in config["components"] if c["props"].get("elem_id") == "block-map")
+        tick = next(d for d in config["dependencies"] if block_map in d["outputs"])
+        http.post("gradio_api/queue/join", json={"data": [False, None, token], "fn_index": tick["id"],
+                                                 "trigger_id": tick["targets"][0][0], "session_hash": session})
+        with http.stream("GET", "gradio_api/queue/data", params={"session_hash": session}) as events:
+            for line in events.iter_lines():
+                message = json.loads(line[5:]) if line.startswith("data:") else {}
+                if message.get("msg") == "process_completed":
+                    assert message["success"], message
+                    return message["output"]["data"][tick["outputs"].index(block_map)]
+    pytest.fail("the tick never finished")
+
+
+def short_hashes(client) -> set[str]:
+    """The hashes of the engine's blocks as the operator's block map writes them."""
+    snapshot = client.block_map()
+    return {f"{b.block_hash & 0xFFFFFFFFFFFFFFFF:016x}"[:8] for b in (*snapshot.device, *snapshot.host)
+            if b.block_hash is not None}
+
+
+def test_a_visitor_sees_no_owners_or_hashes_in_the_block_map(public_app, monkeypatch):
+    client, load, url = public_app
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    load_ids = re.compile(r"load\d+-u\d+")  # the load generator's request ids (its conversations)
+    load.start(4, max_tokens=32)
+    try:  # while blocks are in use: the operator sees whose they are, a visitor does not
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            visitor, operator = panel_tick(url, uuid.uuid4().hex, ""), panel_tick(url, uuid.uuid4().hex, TOKEN)
+            if re.search(r'class="kv-cell kv-(used|shared)"', visitor) and "owners load" in operator:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("under load, no block map in use for a visitor with owners for the operator")
+    finally:
+        load.stop()
+    assert "hash " in operator and load_ids.search(operator)
+    titles = re.findall(r'title="([^"]*)"', visitor)
+    assert titles and not any("owners" in t or "hash" in t for t in titles) and not load_ids.search(visitor)
+    assert "Owners and hashes are shown to the operator only." in visitor
+
+    # Idle, the blocks keep their hashes. One page: a visitor's map, then nothing new while it
+    # stays the same, then the operator's map as soon as the admin token is given.
+    deadline = time.monotonic() + 30
+    while client.stats().device_blocks_used and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.1)  # the panel's shared snapshot is at most one feed interval old
+    page, hashes = uuid.uuid4().hex, short_hashes(client)
+    visitor = panel_tick(url, page, "")
+    assert isinstance(visitor, str) and hashes
+    assert not isinstance(panel_tick(url, page, ""), str)  # unchanged: not resent
+    operator = panel_tick(url, page, TOKEN)
+    assert isinstance(operator, str) and all(f"hash {h}" in operator for h in hashes)
+    assert not any(h in visitor for h in hashes)

@@ -1,5 +1,6 @@
 """What the live panel draws (ui/panel/view.py) and the shared feed behind it (ui/panel/feed.py),
 without a browser."""
+import html
 import re
 import threading
 import time
@@ -112,7 +113,7 @@ def pool_counts(page: str, pool: str) -> dict[str, int]:
 
 def test_block_map_counts_add_up_to_the_pools_and_every_block_is_a_cell():
     states = ["free"] * 10 + ["cached"] * 5 + ["used"] * 7 + ["shared"] * 3
-    page = panel_view.block_map_html(block_map(states, ["used"] * 4 + ["free"] * 6), CPU)
+    page = panel_view.block_map_html(block_map(states, ["used"] * 4 + ["free"] * 6), CPU, show_private=True)
     device, host = pool_counts(page, "device"), pool_counts(page, "host")
     assert device == {"free": 10, "cached": 5, "used": 7, "shared": 3, "total": 25}
     assert host == {"free": 6, "cached": 0, "used": 4, "shared": 0, "total": 10}
@@ -120,6 +121,49 @@ def test_block_map_counts_add_up_to_the_pools_and_every_block_is_a_cell():
     assert page.count("kv-shared") == 3 and page.count("kv-cached") == 5
     assert '&quot;GPU&quot;, in main memory' in page
     assert "&lt;x&gt;/t2" in page and "<x>" not in page  # owner ids come from users: escaped
+
+
+OWNERS = ("chat12/ab12cd34", "load-3/t7#1", "chat-secret/f00d")
+HASHES = (0x5EC12E7A11CEB0B5, -0x3B1D2C4E5F60718A, 0x0123456789ABCDEF)
+
+
+def owned_and_hashed(n: int) -> BlockMap:
+    """Used, shared and cached blocks with owners and hashes in both pools."""
+    def block(i: int) -> BlockInfo:
+        h = HASHES[i % len(HASHES)]
+        if i % 3 == 2:
+            return BlockInfo(i, BlockState.CACHED, 0, 16, h, ())
+        owners = OWNERS[i % 2:] if i % 3 == 1 else (OWNERS[i % len(OWNERS)],)
+        return BlockInfo(i, BlockState.USED, len(owners), 16, h, owners)
+    return BlockMap(16, tuple(block(i) for i in range(n)), tuple(block(i) for i in range(n // 2)))
+
+
+def private_texts() -> list[str]:
+    """Every way an owner or a hash could be written into the page: whole or in part, signed or
+    not, decimal or hex."""
+    texts = []
+    for owner in OWNERS:
+        texts += [owner, owner.split("/")[0], owner.split("/")[1], owner.split("#")[0]]
+    for h in HASHES:
+        unsigned = h & 0xFFFFFFFFFFFFFFFF
+        texts += [str(h), str(unsigned), f"{unsigned:016x}", f"{unsigned:016x}"[:8]]
+    return texts
+
+
+@pytest.mark.parametrize("max_cells", [2048, 4])  # one cell per block, and many blocks per cell
+def test_a_visitors_block_map_has_no_owner_and_no_hash_anywhere(max_cells):
+    bm = owned_and_hashed(12)
+    visitor = panel_view.block_map_html(bm, CPU, max_cells=max_cells)
+    operator = panel_view.block_map_html(bm, CPU, max_cells=max_cells, show_private=True)
+    for text in private_texts():
+        assert text.lower() not in visitor.lower(), text
+    assert panel_view.PRIVATE_NOTE in visitor and panel_view.PRIVATE_NOTE not in operator
+    assert visitor.count('class="kv-cell') == operator.count('class="kv-cell')
+    assert pool_counts(visitor, "device") == pool_counts(operator, "device")
+    if max_cells > 12:
+        assert "refs 2" in visitor and "tokens 16" in visitor  # what a visitor still sees
+        for text in (*OWNERS, "hash 5ec12e7a", "hash c4e2d3b1", "hash 01234567"):
+            assert html.escape(text) in operator, text
 
 
 def test_a_large_pool_is_aggregated_into_at_most_max_cells():

@@ -4,6 +4,10 @@ Works from the immutable `engine.BlockMap` snapshot only. Each block is a cell w
 state class ("free", "cached", "used", or "shared": used with ref_count > 1), a colour and a
 hover title. A pool with more blocks than `max_cells` is drawn with consecutive blocks merged
 into one cell, coloured by its most common state, whose title gives the counts per state.
+
+A block's owners (request ids, which name conversations) and its prefix-cache hash are private:
+a visitor could probe other users' conversations with them, so only cells built for the operator
+(`show_private`) carry them, and then in the title alone.
 """
 from __future__ import annotations
 
@@ -63,18 +67,20 @@ def _color(state: str, owners: tuple[str, ...] | list[str]) -> str:
     return owner_color(owners[0]) if owners else owner_color("")
 
 
-def _block_title(info: BlockInfo, state: str) -> str:
+def _block_title(info: BlockInfo, state: str, show_private: bool) -> str:
     parts = [f"block {info.block_id}: {state}", f"refs {info.ref_count}", f"tokens {info.num_tokens}"]
-    if info.owners:
+    if show_private and info.owners:
         parts.append("owners " + ", ".join(info.owners))
-    if info.block_hash is not None:
+    if show_private and info.block_hash is not None:
         short = f"{info.block_hash & 0xFFFFFFFFFFFFFFFF:016x}"[:8]  # hashes may be negative
         parts.append(f"hash {short}")
     return "; ".join(parts)
 
 
-def block_cells(blocks: tuple[BlockInfo, ...] | list[BlockInfo], max_cells: int = 2048) -> list[Cell]:
-    """One cell per block, or per run of ceil(len / max_cells) consecutive blocks."""
+def block_cells(blocks: tuple[BlockInfo, ...] | list[BlockInfo], max_cells: int = 2048, *,
+                show_private: bool = False) -> list[Cell]:
+    """One cell per block, or per run of ceil(len / max_cells) consecutive blocks. A block's
+    title names its owners and hash only with `show_private`; a run's gives counts per state."""
     if max_cells < 1:
         raise ValueError("max_cells must be at least 1")
     n = len(blocks)
@@ -83,7 +89,8 @@ def block_cells(blocks: tuple[BlockInfo, ...] | list[BlockInfo], max_cells: int 
         for info in blocks:
             state = state_of(info)
             counts = tuple((s, int(s == state)) for s in STATES)
-            cells.append(Cell(info.block_id, 1, state, _color(state, info.owners), _block_title(info, state), counts))
+            title = _block_title(info, state, show_private)
+            cells.append(Cell(info.block_id, 1, state, _color(state, info.owners), title, counts))
         return cells
     group = math.ceil(n / max_cells)
     cells = []

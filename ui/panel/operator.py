@@ -1,4 +1,5 @@
-"""Who may run the load generator: the operator, never a passing visitor.
+"""Who may run the load generator and see the block map's owners and hashes: the operator, never
+a passing visitor.
 
 Sixty-four synthetic users starve real chats, so on a shared server (a team machine, a public
 Space) starting or stopping them is the operator's: whoever reaches an app bound to a loopback

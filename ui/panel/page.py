@@ -53,15 +53,16 @@ def build_panel(feed: PanelFeed, load: LoadGenerator, host: str = "127.0.0.1",
             gr.Warning("That is not the admin token.")
         return gr.Row(visible=allowed)
 
-    def on_tick(freeze: bool, shown: int | None):
+    def on_tick(freeze: bool, shown: int | None, token: str | None = None, profile: gr.OAuthProfile | None = None):
         history = feed.history()
         first_tokens = client.recent_first_tokens()
         frames = panel_view.plot_frames(history, first_tokens)
         grid = gr.skip()
         if not freeze:
             # The map is the page's largest update (~0.5 MB at 4k blocks): resend it only when it
-            # changed, which also keeps a hovered cell's tooltip up while the engine is idle.
-            html = panel_view.block_map_html(feed.block_map(), info)
+            # changed, which also keeps a hovered cell's tooltip up while the engine is idle. The
+            # operator's map differs from a visitor's, so giving the token resends it.
+            html = panel_view.block_map_html(feed.block_map(), info, show_private=operating(token, profile))
             if hash(html) != shown:
                 grid, shown = html, hash(html)
         return (panel_view.header_html(history, info, first_tokens), *frames.values(), grid,
@@ -108,13 +109,14 @@ def build_panel(feed: PanelFeed, load: LoadGenerator, host: str = "127.0.0.1",
                     x_lim=[-panel_view.PLOT_SPAN_S, 0], y_lim=[0, 100] if spec.percent else None,
                     height=220, elem_id=f"plot-{name.replace('_', '-')}"))
 
-    gr.Markdown("### Block map\nEvery KV block, one cell each. Hover a cell for its id, references, owners and hash.")
+    gr.Markdown("### Block map\nEvery KV block, one cell each. Hover a cell for its id, state and references "
+                "(and, for the operator, its owners and hash).")
     freeze = gr.Checkbox(False, label="Freeze the block map (to hover over it while the engine runs)")
     block_map = gr.HTML(elem_id="block-map")
 
     shown_map = gr.State(None)  # hash of the block map this page shows
     timer = gr.Timer(feed.interval_s)
-    timer.tick(on_tick, [freeze, shown_map], [header, *plots, block_map, load_status, shown_map],
+    timer.tick(on_tick, [freeze, shown_map, token], [header, *plots, block_map, load_status, shown_map],
                show_progress="hidden", api_visibility="private")
     gr.on(None, on_open, None, [controls, token], api_visibility="private")  # on page load
     token.submit(on_token, [token], [controls], api_visibility="private")

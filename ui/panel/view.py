@@ -116,6 +116,7 @@ def header_html(history: StatsHistory, info: EngineInfo, first_tokens: tuple[Fir
 _LEGEND = (("free", block_grid.FREE_COLOR, "free"), ("cached", block_grid.CACHED_COLOR, "cached (free, reusable prefix)"),
            ("used", "linear-gradient(90deg, hsl(120,65%,50%), hsl(240,65%,50%))", "in use (colour: conversation)"),
            ("shared", block_grid.SHARED_COLOR, "shared by several requests"))
+PRIVATE_NOTE = "Owners and hashes are shown to the operator only."
 
 
 def _cell_size(cells: int) -> tuple[int, int]:
@@ -124,7 +125,7 @@ def _cell_size(cells: int) -> tuple[int, int]:
     return max(16, 900 // (size + 1)), size
 
 
-def _pool_html(name: str, label: str, blocks, block_size: int, max_cells: int) -> str:
+def _pool_html(name: str, label: str, blocks, block_size: int, max_cells: int, show_private: bool) -> str:
     counts = block_grid.summary_of(blocks)
     head = (f"<div class='kv-pool-title'><b>{html.escape(label)}</b>: {counts['total']} blocks × {block_size} "
             f"tokens · in use {counts['used']} · shared {counts['shared']} · cached {counts['cached']} · "
@@ -132,7 +133,7 @@ def _pool_html(name: str, label: str, blocks, block_size: int, max_cells: int) -
     data = " ".join(f'data-{state}="{counts[state]}"' for state in (*block_grid.STATES, "total"))
     if not blocks:
         return f'<div class="kv-pool" data-pool="{name}" {data}>{head}<div>(empty: no pool of this kind)</div></div>'
-    cells = block_grid.block_cells(blocks, max_cells)
+    cells = block_grid.block_cells(blocks, max_cells, show_private=show_private)
     columns, size = _cell_size(len(cells))
     note = "" if len(cells) == len(blocks) else (f"<div class='kv-pool-note'>each cell is {len(blocks) // len(cells)}"
                                                  "+ consecutive blocks, coloured by their most common state</div>")
@@ -140,14 +141,18 @@ def _pool_html(name: str, label: str, blocks, block_size: int, max_cells: int) -
             f"{block_grid.render_html(cells, columns, size)}</div>")
 
 
-def block_map_html(block_map: BlockMap, info: EngineInfo, max_cells: int = 2048) -> str:
-    """The legend and both pools as grids of cells; hovering a cell names its block."""
+def block_map_html(block_map: BlockMap, info: EngineInfo, max_cells: int = 2048, *, show_private: bool = False) -> str:
+    """The legend and both pools as grids of cells; hovering a cell names its block, and with
+    `show_private` (the operator's view only) its owners and hash (see ui/panel/block_grid.py)."""
     legend = "".join(f"<span class='kv-key'><i style='background:{color}'></i>{html.escape(text)}</span>"
                      for _, color, text in _LEGEND)
+    if not show_private:
+        legend += f"<span class='kv-key' data-note='private'>{html.escape(PRIVATE_NOTE)}</span>"
     device = 'Device pool ("GPU", in main memory)' if info.on_cpu else f"Device pool ({info.device})"
+    grid = (block_map.block_size, max_cells, show_private)
     return (f"<div class='kv-map'><div class='kv-legend'>{legend}</div>"
-            f"{_pool_html('device', device, block_map.device, block_map.block_size, max_cells)}"
-            f"{_pool_html('host', 'Host pool (CPU swap space)', block_map.host, block_map.block_size, max_cells)}"
+            f"{_pool_html('device', device, block_map.device, *grid)}"
+            f"{_pool_html('host', 'Host pool (CPU swap space)', block_map.host, *grid)}"
             "</div>")
 
 
