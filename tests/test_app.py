@@ -316,6 +316,15 @@ def test_a_100k_character_message_is_refused_as_too_long(served):
     assert conversation_id is None and box == text
     assert store.conversations(user) == [] and stored(store, user) == []
 
+    # Beyond 100k characters it is refused before the engine or the store sees it, with the limit.
+    with pytest.raises(AppError) as refused:
+        session = Client(url, verbose=False)
+        session.predict(user, None, "x" * 1_000_000, "None", "", *GREEDY, api_name="/send")
+    session.close()
+    assert refused.value.message == "The message is 1,000,000 characters long; the limit is 100,000. " \
+                                    "Shorten it and try again."
+    assert store.conversations(user) == []
+
 
 def test_control_characters_are_stored_as_sent_and_html_is_shown_as_text(served):
     client, store, url = served

@@ -29,6 +29,10 @@ from ui.stream import ReplyStream, start_reply
 log = logging.getLogger(__name__)
 
 TITLE_CHARS = 48
+# Longer text is refused before it is tokenized (on the engine's thread) or stored. 100k
+# characters is ~25k tokens, beyond the context of the models this app serves; the engine refuses
+# a shorter prompt that still does not fit its KV cache.
+MAX_TEXT_CHARS = 100_000
 STOP_WAIT_S = 5.0
 MAX_CONVERSATION_ID = 2**63 - 1  # SQLite's largest integer: beyond it no row can exist
 MAX_REPLIES_PER_USER = 4  # replies one user may have in progress at once, across their chats
@@ -482,6 +486,9 @@ def checked_text(value: object, what: str) -> str:
         return ""
     if not isinstance(value, str):
         raise ChatInputError(f"The {what} must be text.")
+    if len(value) > MAX_TEXT_CHARS:
+        raise ChatInputError(f"The {what} is {len(value):,} characters long; the limit is {MAX_TEXT_CHARS:,}. "
+                             "Shorten it and try again.")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
