@@ -4,15 +4,15 @@ connection closed — before the reply's first token and mid-stream. The engine 
 gone, and its blocks back, within a second."""
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
-import httpx
 import pytest
 
 pytest.importorskip("gradio")
 from served_app import serve  # noqa: E402
+
+from benchmarks.gradio_http import BrowserEvent, fn_index, submit  # noqa: E402
 
 from engine import SamplingParams  # noqa: E402
 
@@ -36,28 +36,9 @@ def served(tiny_model_dir, tmp_path_factory):
         client.close()
 
 
-def fn_index(url: str, api_name: str) -> int:
-    config = httpx.get(f"{url}config", timeout=10).json()
-    return next(d["id"] for d in config["dependencies"] if d.get("api_name") == api_name)
-
-
-def open_turn(url: str, user: str, text: str, max_tokens: int) -> tuple[httpx.Client, httpx.Response]:
-    """Start a Send as a browser does and open its event stream: (connection, stream)."""
-    session_hash = uuid.uuid4().hex[:11]
-    http = httpx.Client(base_url=url, timeout=30)
-    joined = http.post("gradio_api/queue/join", json={
-        "data": [user, None, text, "None", "", 0.0, 1.0, max_tokens], "fn_index": fn_index(url, "send"),
-        "session_hash": session_hash, "event_data": None, "trigger_id": None})
-    joined.raise_for_status()
-    stream = http.send(http.build_request("GET", "gradio_api/queue/data", params={"session_hash": session_hash}),
-                       stream=True)
-    return http, stream
-
-
-def messages(stream: httpx.Response):
-    for line in stream.iter_lines():
-        if line.startswith("data:"):
-            yield json.loads(line[len("data:"):])
+def open_turn(url: str, user: str, text: str, max_tokens: int) -> BrowserEvent:
+    """A Send from a fresh browser session, greedy, no system prompt, its event stream open."""
+    return submit(url, fn_index(url, "send"), [user, None, text, "None", "", 0.0, 1.0, max_tokens])
 
 
 def idle_within(client, seconds: float) -> float | None:
@@ -86,18 +67,17 @@ def test_a_browser_gone_before_the_first_token_frees_its_request_at_once(served)
                             SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
     next(blocker)  # it runs; a chat turn now waits for the slot
     user = new_user()
-    http, stream = open_turn(url, user, "Waiting for my turn", max_tokens=64)
+    turn = open_turn(url, user, "Waiting for my turn", max_tokens=64)
     try:
         # The first view (the user's message, stored) arrives while the request waits for a slot;
         # after it, the handler has nothing to yield until the first token.
-        first = next(m for m in messages(stream) if m.get("msg") in ("process_generating", "process_completed"))
+        first = next(m for m in turn.messages() if m.get("msg") in ("process_generating", "process_completed"))
         assert first["msg"] == "process_generating"
         deadline = time.monotonic() + 5
         while client.stats().num_waiting != 1:  # the stats are the latest step's
             assert time.monotonic() < deadline, "the turn never reached the engine"
             time.sleep(0.005)
-        stream.close()
-        http.close()  # the browser is gone
+        turn.leave()
         closed_at = time.monotonic()
         while client.stats().num_waiting or chat_blocks(client):  # neither waiting nor running
             assert time.monotonic() - closed_at < 1.0, "the waiting request outlived its browser"
@@ -113,16 +93,15 @@ def test_a_browser_gone_before_the_first_token_frees_its_request_at_once(served)
 def test_a_browser_gone_mid_stream_frees_its_blocks_within_a_second_and_keeps_the_partial_reply(served):
     client, store, url = served
     user = new_user()
-    http, stream = open_turn(url, user, LONG_STORY, max_tokens=900)
+    turn = open_turn(url, user, LONG_STORY, max_tokens=900)
     try:
-        for message in messages(stream):
+        for message in turn.messages():
             if message.get("msg") == "process_generating" and client.stats().num_running == 1 \
                     and client.stats().device_blocks_used > 0:
                 break  # the reply is streaming to us
             assert message.get("msg") != "process_completed", f"the reply ended before we left: {message}"
     finally:
-        stream.close()
-        http.close()
+        turn.leave()
     took = idle_within(client, 1.0)
     assert took is not None, f"the request outlived its browser: {client.stats()}"
 
