@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="device KV pool size in blocks (default: from the memory budget)")
     parser.add_argument("--num-cpu-blocks", type=int, default=optional_int("PAGEDCHAT_CPU_BLOCKS"),
                         help="host swap pool size in blocks (default: 1 GiB)")
+    parser.add_argument("--max-waiting", type=int, default=int(env("PAGEDCHAT_MAX_WAITING", "256")),
+                        help="requests that may wait for the engine at once; beyond it a chat is told the "
+                             "server is busy ($PAGEDCHAT_MAX_WAITING; default 256)")
     parser.add_argument("--host", default=env("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(env("GRADIO_SERVER_PORT", "7860")))
     parser.add_argument("--db", default=env("PAGEDCHAT_DB"), help="SQLite file ($PAGEDCHAT_DB, else ./data/pagedchat.db)")
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     engine = LLMEngine(args.model, args.device, num_gpu_blocks=args.num_gpu_blocks,
                        num_cpu_blocks=args.num_cpu_blocks)
-    client = EngineClient(engine)
+    client = EngineClient(engine, max_waiting=args.max_waiting)
     feed, load, sessions = PanelFeed(client), LoadGenerator(client), Sessions()
     try:
         build_app(client, Store(args.db), feed, load, host=args.host, sessions=sessions).launch(
