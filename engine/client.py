@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 
@@ -43,9 +43,12 @@ class EngineDeadError(RuntimeError):
 
 class _Stream:
     """One request's deltas, from the loop thread to its reader: a thread that blocks on `get`, or
-    a coroutine awaiting `aget` on `loop`, woken through that loop (waiting holds no thread)."""
+    a coroutine awaiting `aget` on `loop`, woken through that loop (waiting holds no thread).
+    Both check every LIVENESS_CHECK_S that the loop is alive: the loop ends every open stream as
+    it stops, but a reader must never wait on a loop that could not."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.request_id = request_id
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._loop = loop
         self._arrived = asyncio.Event() if loop is not None else None
@@ -58,12 +61,16 @@ class _Stream:
             except RuntimeError:  # the reader's event loop has closed: no one is left to read
                 pass
 
-    def get(self, timeout: float) -> object:
-        """The next item; queue.Empty after `timeout` seconds."""
-        return self._items.get(timeout=timeout)
+    def get(self, why_dead: Callable[[], str | None]) -> object:
+        """The next item (a Delta, or _DONE after the last)."""
+        while True:
+            try:
+                return self._items.get(timeout=LIVENESS_CHECK_S)
+            except queue.Empty:
+                self._end_if_dead(why_dead)
 
-    async def aget(self, timeout: float) -> object:
-        """The next item; TimeoutError after `timeout` seconds."""
+    async def aget(self, why_dead: Callable[[], str | None]) -> object:
+        """`get` for a coroutine."""
         while True:
             try:
                 return self._items.get_nowait()
@@ -73,7 +80,16 @@ class _Stream:
             # cannot land in between and be lost.
             self._arrived.clear()
             if self._items.empty():
-                await asyncio.wait_for(self._arrived.wait(), timeout)
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), LIVENESS_CHECK_S)
+                except TimeoutError:
+                    self._end_if_dead(why_dead)
+
+    def _end_if_dead(self, why_dead: Callable[[], str | None]) -> None:
+        reason = why_dead()
+        if reason is not None:
+            self._items.put(Delta(self.request_id, 0, "", (), finish_reason="error", error=reason))
+            self._items.put(_DONE)
 
 
 class EngineClient:
@@ -106,74 +122,51 @@ class EngineClient:
         return an iterator over its deltas, ending after every sample's final delta. `cache_salt`
         (the user) keeps its prefix-cache blocks to that user, apart from the first
         `num_shared_messages` messages (see LLMEngine.add_request)."""
-        stream = _Stream()
-        message = self._add_message(prompt, params, request_id, cache_salt, num_shared_messages, stream)
-        self._ask(message)  # a bad prompt raises here
-        return self._iterate(message[1], stream)
+        stream = _Stream(request_id or f"req-{next(self._ids)}")
+        self._ask(self._add_message(prompt, params, cache_salt, num_shared_messages, stream))  # a bad prompt raises here
+        return self._iterate(stream)
 
     async def asubmit(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                       request_id: str | None = None, *, cache_salt: str | None = None,
                       num_shared_messages: int = 0) -> AsyncIterator[Delta]:
         """`submit` for a coroutine: the deltas come as an async iterator whose waits hold no
         thread. Cancelling the caller (here, or while it iterates) aborts the request."""
-        stream = _Stream(asyncio.get_running_loop())
-        message = self._add_message(prompt, params, request_id, cache_salt, num_shared_messages, stream)
+        stream = _Stream(request_id or f"req-{next(self._ids)}", asyncio.get_running_loop())
         try:
-            await self._ask_async(message)  # a bad prompt raises here
+            await self._ask_async(self._add_message(prompt, params, cache_salt, num_shared_messages, stream))
         except asyncio.CancelledError:  # the loop may take the request after we stop waiting
-            self.abort(message[1])
+            self.abort(stream.request_id)
             raise
-        return self._aiterate(message[1], stream)
+        return self._aiterate(stream)
 
-    def _add_message(self, prompt, params: SamplingParams | None, request_id: str | None,
-                     cache_salt: str | None, num_shared_messages: int, stream: _Stream) -> tuple:
-        params = params or SamplingParams()
-        request_id = request_id or f"req-{next(self._ids)}"
+    @staticmethod
+    def _add_message(prompt, params: SamplingParams | None, cache_salt: str | None, num_shared_messages: int,
+                     stream: _Stream) -> tuple:
         options = {"cache_salt": cache_salt, "num_shared_messages": num_shared_messages}
-        return ("add", request_id, prompt, params, options, stream, Future())
+        return ("add", stream.request_id, prompt, params or SamplingParams(), options, stream, Future())
 
-    def _iterate(self, request_id: str, stream: _Stream) -> Iterator[Delta]:
+    def _iterate(self, stream: _Stream) -> Iterator[Delta]:
         finished = False
         try:
-            while True:
-                try:
-                    item = stream.get(timeout=LIVENESS_CHECK_S)
-                except queue.Empty:
-                    if self._thread.is_alive():
-                        continue
-                    yield self._dead_delta(request_id)
-                    break
-                if item is _DONE:
-                    break
+            while (item := stream.get(self._why_dead)) is not _DONE:
                 yield item
             finished = True
         finally:
             if not finished:  # the caller stopped reading (or disconnected): free its blocks now
-                self.abort(request_id)
+                self.abort(stream.request_id)
 
-    async def _aiterate(self, request_id: str, stream: _Stream) -> AsyncIterator[Delta]:
+    async def _aiterate(self, stream: _Stream) -> AsyncIterator[Delta]:
         finished = False
         try:
-            while True:
-                try:
-                    item = await stream.aget(timeout=LIVENESS_CHECK_S)
-                except TimeoutError:
-                    if self._thread.is_alive():
-                        continue
-                    yield self._dead_delta(request_id)
-                    break
-                if item is _DONE:
-                    break
+            while (item := await stream.aget(self._why_dead)) is not _DONE:
                 yield item
             finished = True
         finally:
             if not finished:  # closed or cancelled mid-reply (a client gone): free its blocks now
-                self.abort(request_id)
+                self.abort(stream.request_id)
 
-    def _dead_delta(self, request_id: str) -> Delta:
-        # The loop ends every open stream as it stops; this only guards against a loop that could
-        # not (a reader never waits on a dead engine).
-        return Delta(request_id, 0, "", (), finish_reason="error", error=self._dead_reason())
+    def _why_dead(self) -> str | None:
+        return None if self._thread.is_alive() else self._dead_reason()
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

@@ -13,7 +13,7 @@ gr = pytest.importorskip("gradio")
 import httpx  # noqa: E402
 from gradio_client import Client  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
-from served_app import serve  # noqa: E402
+from served_app import served_chat  # noqa: E402
 
 from engine import SamplingParams  # noqa: E402
 
@@ -26,18 +26,9 @@ def new_user() -> str:
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    from engine.client import EngineClient
-    from engine.llm_engine import LLMEngine
-    from storage import Store
-
-    client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=128, num_cpu_blocks=64))
-    store = Store(tmp_path_factory.mktemp("app") / "chat.db")
-    demo, url = serve(client, store)
-    try:
-        yield client, store, url
-    finally:
-        demo.close()
-        client.close()
+    with served_chat(tiny_model_dir, tmp_path_factory.mktemp("app") / "chat.db",
+                     num_gpu_blocks=128, num_cpu_blocks=64) as served_app:
+        yield served_app
 
 
 def send(url: str, user: str, text: str, max_tokens: int = MAX_TOKENS, conversation_id: int | None = None):

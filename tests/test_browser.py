@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("gradio")
 from web_browser import Browser, browser, png_size, screenshot_target, serve, set_slider, sync_api  # noqa: E402,F401  (browser: a fixture)
+from served_app import served_chat  # noqa: E402
 
 expect = sync_api.expect
 
@@ -22,18 +23,9 @@ REPLY_TIMEOUT_MS = 60_000
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    from engine.client import EngineClient
-    from engine.llm_engine import LLMEngine
-    from storage import Store
-
-    client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=128, num_cpu_blocks=64))
-    store = Store(tmp_path_factory.mktemp("browser") / "chat.db")
-    demo, url = serve(client, store)
-    try:
-        yield client, store, url
-    finally:
-        demo.close()
-        client.close()
+    with served_chat(tiny_model_dir, tmp_path_factory.mktemp("browser") / "chat.db",
+                     num_gpu_blocks=128, num_cpu_blocks=64) as served_app:
+        yield served_app
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 pytest.importorskip("gradio")
-from served_app import serve  # noqa: E402
+from served_app import served_chat  # noqa: E402
 
 from benchmarks.gradio_http import BrowserEvent, fn_index, submit  # noqa: E402
 
@@ -22,18 +22,9 @@ LONG_STORY = "Write a very long story about a lighthouse."
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
     """One sequence at a time, so a second request waits for its first token as long as we like."""
-    from engine.client import EngineClient
-    from engine.llm_engine import LLMEngine
-    from storage import Store
-
-    client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=96, num_cpu_blocks=32, max_num_seqs=1))
-    store = Store(tmp_path_factory.mktemp("disconnect") / "chat.db")
-    demo, url = serve(client, store)
-    try:
-        yield client, store, url
-    finally:
-        demo.close()
-        client.close()
+    with served_chat(tiny_model_dir, tmp_path_factory.mktemp("disconnect") / "chat.db",
+                     num_gpu_blocks=96, num_cpu_blocks=32, max_num_seqs=1) as served_app:
+        yield served_app
 
 
 def open_turn(url: str, user: str, text: str, max_tokens: int) -> BrowserEvent:
