@@ -45,31 +45,38 @@ QUESTIONS = ("How do lighthouses work?", "Tell me a short story about a cat.", "
              "What should I see in Lisbon?", "Write a haiku about the sea.")
 TURNS_PER_CHAT = 4
 ERROR_MARK = "⚠️ **Error:**"
+BUSY_MARK = "The server is busy with other chats"
 
 
 # ---- the app, in a child process ---------------------------------------------------------------
 def serve(args: argparse.Namespace) -> None:
     """The child: the app on a loopback port; prints READY, then answers `stats` lines on stdin
     with the engine's stats as JSON, until `quit`."""
-    from app import build_app
+    import uvicorn
+
+    from app import build_app, build_server
     from engine import EngineClient, LLMEngine
     from storage import Store
     from ui.panel.feed import PanelFeed
     from ui.panel.load_generator import LoadGenerator
     from ui.sessions import Sessions
 
-    client = EngineClient(LLMEngine(args.model, num_gpu_blocks=args.gpu_blocks, num_cpu_blocks=args.cpu_blocks))
+    client = EngineClient(LLMEngine(args.model, num_gpu_blocks=args.gpu_blocks, num_cpu_blocks=args.cpu_blocks),
+                          max_waiting=args.max_waiting)
     feed, load, sessions = PanelFeed(client), LoadGenerator(client), Sessions()
     demo = build_app(client, Store(args.db), feed, load, host="127.0.0.1", sessions=sessions)
-    demo.launch(server_name="127.0.0.1", server_port=args.port, prevent_thread_lock=True, quiet=True,
-                app_kwargs=sessions.app_kwargs())
+    server = uvicorn.Server(uvicorn.Config(build_server(demo, client, sessions, "127.0.0.1"), host="127.0.0.1",
+                                           port=args.port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
     print("READY", flush=True)
     for line in sys.stdin:
         if line.strip() == "stats":
             print(json.dumps(dataclasses.asdict(client.stats())), flush=True)
         elif line.strip() == "quit":
             break
-    demo.close()
+    server.should_exit = True
     feed.close()
     client.close()
 
@@ -81,7 +88,8 @@ class ChildApp:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         command = [sys.executable, __file__, "--serve", "--port", str(self.port), "--db", str(db),
-                   "--gpu-blocks", str(args.gpu_blocks), "--cpu-blocks", str(args.cpu_blocks)]
+                   "--gpu-blocks", str(args.gpu_blocks), "--cpu-blocks", str(args.cpu_blocks),
+                   "--max-waiting", str(args.max_waiting)]
         if args.model:
             command += ["--model", args.model]
         self._log = open(log, "w")
@@ -122,6 +130,7 @@ class Tally:
     finished: int = 0
     left_mid_reply: int = 0
     bad_input_refused: int = 0
+    refused_busy: int = 0  # "the server is busy": the bounded queue answering at once, as designed
     hung: int = 0
     errors: Counter = dataclasses.field(default_factory=Counter)
     ttft_s: list = dataclasses.field(default_factory=list)
@@ -169,6 +178,9 @@ def chat_turn(session, url: str, user: str, conversation: int | None, rng: rando
         return None
     last = shown(chat[-1]) if chat else ""
     with tally.lock:
+        if BUSY_MARK in last:
+            tally.refused_busy += 1
+            return conversation_id
         if ERROR_MARK in last:
             tally.errors[last.split(ERROR_MARK, 1)[1].strip()[:60]] += 1
             return conversation_id
@@ -184,8 +196,8 @@ def leave_mid_reply(url: str, fn: int, user: str, rng: random.Random, args: argp
     """A new chat whose browser closes as soon as the reply starts."""
     event = gradio_http.submit(url, fn, [user, None, rng.choice(QUESTIONS), rng.choice(PRESETS), "", 0.7, 0.9,
                                         args.max_tokens], timeout=args.hang_s)
+    views = 0  # the first view is the user's message; the ones after it carry the reply
     try:
-        views = 0  # the first view is the user's message; the ones after it carry the reply
         for message in event.messages():
             views += message.get("msg") == "process_generating"
             if views >= 3 or message.get("msg") == "process_completed":
@@ -196,8 +208,9 @@ def leave_mid_reply(url: str, fn: int, user: str, rng: random.Random, args: argp
         return
     finally:
         event.leave()
-    with tally.lock:
-        tally.left_mid_reply += 1
+    if views >= 3:  # else it ended first (refused as busy, or a very short reply): nothing to leave
+        with tally.lock:
+            tally.left_mid_reply += 1
 
 
 def bad_input(session, user: str, rng: random.Random, tally: Tally) -> None:
@@ -229,7 +242,16 @@ def user_loop(index: int, url: str, fn: int, deadline: float, args: argparse.Nam
 
     rng = random.Random(index)
     user = f"anon:{uuid.uuid4().hex}"
-    session = Client(url, verbose=False)
+    while True:  # opening the app; a person whose page does not load reloads it
+        try:
+            session = Client(url, verbose=False)
+            break
+        except Exception as error:
+            with tally.lock:
+                tally.errors[f"opening the app: {type(error).__name__}"] += 1
+            if time.monotonic() > deadline:
+                return
+            time.sleep(1.0)
     conversation, turns = None, 0
     try:
         while time.monotonic() < deadline:
@@ -324,8 +346,9 @@ def run(args: argparse.Namespace) -> dict:
         deadline = started + 60 * args.minutes
         users = [threading.Thread(target=user_loop, args=(i, app.url, fn, deadline, args, tally), daemon=True)
                  for i in range(args.users)]
-        for user in users:
+        for user in users:  # people arrive over the ramp-up, not in one instant
             user.start()
+            time.sleep(args.ramp_s / args.users)
         for user in users:  # a turn started just before the deadline may run its full length
             user.join(timeout=max(0.0, deadline - time.monotonic()) + 2 * args.hang_s)
         still_running = sum(user.is_alive() for user in users)
@@ -340,7 +363,8 @@ def run(args: argparse.Namespace) -> dict:
         "max_tokens": args.max_tokens, "model": args.model or "SmolLM2-135M-Instruct (embedded)",
         "cpu": cpu_model(), "wall_s": round(wall, 1),
         "replies_finished": tally.finished, "left_mid_reply": tally.left_mid_reply,
-        "bad_input_refused": tally.bad_input_refused, "errors": sum(tally.errors.values()),
+        "bad_input_refused": tally.bad_input_refused, "refused_busy": tally.refused_busy,
+        "max_waiting": args.max_waiting, "errors": sum(tally.errors.values()),
         "error_kinds": dict(tally.errors.most_common(8)), "hung": tally.hung + still_running,
         "replies_lost": lost_replies(db, tally.replies),
         "blocks_left": stats["device_blocks_used"] + stats["host_blocks_used"],
@@ -362,6 +386,7 @@ def print_table(figures: dict) -> None:
             ("replies finished", figures["replies_finished"]),
             ("left mid-reply (tab closed)", figures["left_mid_reply"]),
             ("bad input refused with a message", figures["bad_input_refused"]),
+            (f"refused as busy (queue bound {figures['max_waiting']})", figures["refused_busy"]),
             ("errors", f"{figures['errors']} {figures['error_kinds'] or ''}"),
             ("hung", figures["hung"]), ("replies lost", figures["replies_lost"]),
             ("blocks left after the run", figures["blocks_left"]),
@@ -382,11 +407,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=os.environ.get("MODEL"), help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--gpu-blocks", type=int, default=48, help="device KV pool, in 16-token blocks")
     parser.add_argument("--cpu-blocks", type=int, default=256, help="host swap pool, in blocks")
+    parser.add_argument("--max-waiting", type=int, default=256,
+                        help="the app's engine queue bound (app.py --max-waiting): beyond it a turn is told 'busy'")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per reply at most")
     parser.add_argument("--leave-share", type=float, default=0.1, help="share of turns that close the tab mid-reply")
     parser.add_argument("--bad-share", type=float, default=0.05, help="share of turns that send bad input")
     parser.add_argument("--think-s", type=float, default=2.0, help="a user's pause between turns, at most")
-    parser.add_argument("--hang-s", type=float, default=180.0, help="a turn with no answer by then has hung")
+    parser.add_argument("--ramp-s", type=float, default=10.0, help="the users arrive over this many seconds")
+    parser.add_argument("--hang-s", type=float, default=300.0, help="a turn with no answer by then has hung")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child's mode
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--db", help=argparse.SUPPRESS)

@@ -109,6 +109,7 @@ class EngineClient:
         self._submitted: dict[str, float] = {}  # request id -> when the loop took it (no token yet)
         self._first_tokens: deque[FirstToken] = deque(maxlen=RECENT_FIRST_TOKENS)
         self._recent: tuple[FirstToken, ...] = ()
+        self._listeners: list[Callable[[Delta, float], None]] = []
         self._stopping = threading.Event()
         self._death: str | None = None  # why the loop stopped, if a fault stopped it
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -170,6 +171,12 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    def add_listener(self, listener: Callable[[Delta, float], None]) -> None:
+        """Call `listener(delta, time.monotonic())` for every delta of every request, on the loop
+        thread as the delta is routed (metrics count tokens and latencies this way). It must be
+        quick; an exception it raises is logged and ignored."""
+        self._listeners.append(listener)
 
     def stats(self) -> SchedulerStats:
         """The latest step's stats (an immutable snapshot; never blocks)."""
@@ -345,6 +352,7 @@ class EngineClient:
                 self._first_tokens.append(FirstToken(delta.request_id, time.time(), ttft))
                 first_token = True
             stream.put(delta)
+            self._tell_listeners(delta)
             if delta.finish_reason is not None:
                 self._open[delta.request_id].discard(delta.index)
                 if not self._open[delta.request_id]:
@@ -360,5 +368,17 @@ class EngineClient:
         open_samples = self._open.pop(request_id, None) or {0}
         self._submitted.pop(request_id, None)
         for index in sorted(open_samples):
-            stream.put(Delta(request_id, index, "", (), finish_reason=reason, error=error))
+            delta = Delta(request_id, index, "", (), finish_reason=reason, error=error)
+            stream.put(delta)
+            self._tell_listeners(delta)
         stream.put(_DONE)
+
+    def _tell_listeners(self, delta: Delta) -> None:
+        if not self._listeners:
+            return
+        now = time.monotonic()
+        for listener in self._listeners:
+            try:
+                listener(delta, now)
+            except Exception:  # a metrics bug must not fail a request
+                log.exception("engine client listener failed")

@@ -7,9 +7,11 @@ only the text that can no longer change is released: a trailing "\\ufffd" (an in
 character) waits for the tokens that complete it. The window is cut back to a few tokens of
 context whenever it grows, so the cost per token does not depend on the output length.
 
-Stop strings follow vLLM: the text is cut just before the first stop string, nothing more is
-emitted after it, and text that could still be the start of a stop string is held back until
-it is known not to be one (or until `flush()` at the end of the request).
+Stop strings follow vLLM: the text is cut just before the first stop string (just after it with
+`include_stop`), nothing more is emitted after it, and text that could still be the start of a
+stop string is held back until it is known not to be one (or until `flush()` at the end of the
+request). A token added with `check_stop=False` (before the request's `min_tokens`) releases its
+text unchecked.
 """
 from __future__ import annotations
 
@@ -25,9 +27,10 @@ MAX_WINDOW_TOKENS = 2 * CONTEXT_TOKENS
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = tuple(stop)
+        self.include_stop = include_stop
         self.skip_special_tokens = skip_special_tokens
         self.stopped = False
         self.stop_string: str | None = None
@@ -44,7 +47,7 @@ class IncrementalDetokenizer:
             self._chunks = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""
 
-    def add(self, token_id: int) -> str:
+    def add(self, token_id: int, check_stop: bool = True) -> str:
         """Append one generated token; return the new text it makes final ("" if none yet)."""
         if self.stopped:
             return ""
@@ -54,7 +57,7 @@ class IncrementalDetokenizer:
         new_text = self._take_final_text(self._decode(self._window))
         if len(self._window) >= MAX_WINDOW_TOKENS:
             self._reset_window(self._window[-CONTEXT_TOKENS:])
-        return self._release(new_text, final=False)
+        return self._release(new_text, final=False, check_stop=check_stop)
 
     def flush(self) -> str:
         """At the end of the request: return any text still held back, "" if none."""
@@ -91,14 +94,17 @@ class IncrementalDetokenizer:
         self._window = token_ids
         self._emitted = len(_without_pending_char(self._decode(token_ids)))
 
-    def _release(self, new_text: str, final: bool) -> str:
+    def _release(self, new_text: str, final: bool, check_stop: bool = True) -> str:
         """Pass `new_text` through the stop-string check; return what the user may see now."""
         pending = self._held + new_text
         self._held = ""
-        match = self._find_stop(pending)
+        match = self._find_stop(pending) if check_stop else None
         if match is not None:
             index, self.stop_string = match
-            pending, self.stopped = pending[:index], True
+            end = index + len(self.stop_string) if self.include_stop else index
+            pending, self.stopped = pending[:end], True
+        elif not check_stop:
+            pass  # before min_tokens: no stop string counts yet, so nothing is held back either
         elif not final:
             keep = self._stop_prefix_length(pending)
             pending, self._held = pending[:len(pending) - keep], pending[len(pending) - keep:]

@@ -149,13 +149,15 @@ class LLMEngine:
     def _emit(self, request: Request, logprobs: dict[int, float] | None) -> list[Delta]:
         """The request's new output since it was last emitted: one sampled token per step."""
         state = self._samples.get(request.request_id)
+        params = request.sampling_params
         if state is None:
             state = self._samples[request.request_id] = _SampleState(IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.sampling_params.stop))
+                self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens,
+                params.include_stop_str_in_output))
         new_tokens = request.all_token_ids[request.num_prompt_tokens + state.emitted:]
         text = []
-        for token in new_tokens:
-            text.append(state.detokenizer.add(token))
+        for offset, token in enumerate(new_tokens, start=state.emitted + 1):  # offset: its output position
+            text.append(state.detokenizer.add(token, check_stop=offset > params.min_tokens))
             if state.detokenizer.stopped:
                 if not request.is_finished:
                     self.scheduler.finish_request(request.request_id, FinishReason.STOP)
@@ -212,4 +214,5 @@ class LLMEngine:
         cache = self.runner.kv_cache
         return EngineInfo(model=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                           block_size=self.config.block_size, num_device_blocks=self.config.num_device_blocks,
-                          num_host_blocks=self.config.num_host_blocks, kernels=kernels.backend(cache))
+                          num_host_blocks=self.config.num_host_blocks, kernels=kernels.backend(cache),
+                          max_model_len=self.config.max_model_len)

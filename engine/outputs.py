@@ -89,6 +89,7 @@ class EngineInfo:
     num_device_blocks: int
     num_host_blocks: int
     kernels: str     # "triton" or "torch"
+    max_model_len: int = 0  # longest prompt + output a request may have
 
     @property
     def on_cpu(self) -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -13,18 +15,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(client, store, feed=None, load=None, host: str | None = None) -> tuple[object, str]:
-    """`app.build_app` launched on 127.0.0.1, in this process: the app and its URL. `host` is the
-    address the app is told it is bound to (it decides who may run the load generator)."""
-    from app import build_app
+class Served:
+    """A FastAPI app served by uvicorn on a free loopback port, on a thread of this process."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, name=f"uvicorn-{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on port {self.port} did not start")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=15)
+
+
+def serve(client, store, feed=None, load=None, host: str | None = None, api_key: str | None = None) -> tuple[Served, str]:
+    """The whole app (`app.build_app` behind `app.build_server`) on 127.0.0.1, in this process: the
+    server and its URL. `host` is the address the app is told it is bound to (it decides who may
+    run the load generator and whether the API needs a key)."""
+    from app import build_app, build_server
     from ui.sessions import Sessions
 
     sessions = Sessions()
     demo = build_app(client, store, feed, load, host=host, sessions=sessions)
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                app_kwargs=sessions.app_kwargs())
-    return demo, f"http://127.0.0.1:{port}/"
+    served = Served(build_server(demo, client, sessions, host or "127.0.0.1", api_key))
+    return served, served.url
 
 
 @contextmanager
@@ -37,11 +60,11 @@ def served_chat(model: str | None, db_path, **engine_options) -> Iterator[tuple[
 
     client = EngineClient(LLMEngine(model, **engine_options))
     store = Store(db_path)
-    demo, url = serve(client, store)
+    server, url = serve(client, store)
     try:
         yield client, store, url
     finally:
-        demo.close()
+        server.close()
         client.close()
         store.close()
 
@@ -59,11 +82,11 @@ def served_with_load(model: str | None, db_path, num_gpu_blocks: int, num_cpu_bl
 
     client = EngineClient(LLMEngine(model, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks))
     feed, load = PanelFeed(client, interval_s=interval_s), LoadGenerator(client)
-    demo, url = serve(client, Store(db_path), feed, load, host=host)
+    server, url = serve(client, Store(db_path), feed, load, host=host)
     try:
         yield client, load, url
     finally:
         load.stop()
-        demo.close()
+        server.close()
         feed.close()
         client.close()

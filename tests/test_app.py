@@ -355,3 +355,39 @@ def test_fts_words_in_search_are_words(served):
         found = session.predict(user, query, conversation_id, api_name="/search")
         assert [choice[1] for choice in found["choices"]] == [conversation_id], query
     session.close()
+
+
+def test_the_app_serves_the_openai_api_on_its_own_port_over_the_same_engine(served):
+    """Bound to loopback, the app's /v1 answers without a key; its requests run on the chat's engine."""
+    from openai import OpenAI
+
+    client, store, url = served
+    before = client.stats().total_generated_tokens
+    openai = OpenAI(base_url=f"{url}v1", api_key="unused", max_retries=0)
+    reply = openai.chat.completions.create(model=client.info().model, messages=[{"role": "user", "content": "Hi"}],
+                                           temperature=0.0, max_tokens=8)
+    assert reply.choices[0].message.content == engine_reply(client, "Hi", max_tokens=8)
+    assert client.stats().total_generated_tokens > before
+    assert "vllm:num_requests_running" in httpx.get(f"{url}metrics").text
+    assert httpx.get(url).status_code == 200 and "PagedChat" in httpx.get(url).text  # the chat page still
+
+
+def test_off_loopback_the_api_is_off_without_a_key_and_on_with_one(tiny_model_dir, tmp_path):
+    from served_app import serve
+    from engine.client import EngineClient
+    from engine.llm_engine import LLMEngine
+    from storage import Store
+
+    client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=32))
+    try:
+        for api_key, expected in ((None, 404), ("s3cret", 401)):
+            server, url = serve(client, Store(tmp_path / f"{api_key}.db"), host="0.0.0.0", api_key=api_key)
+            try:
+                assert httpx.get(f"{url}v1/models").status_code == expected
+                if api_key:
+                    ok = httpx.get(f"{url}v1/models", headers={"Authorization": f"Bearer {api_key}"})
+                    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == client.info().model
+            finally:
+                server.close()
+    finally:
+        client.close()

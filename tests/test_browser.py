@@ -283,7 +283,7 @@ def test_screenshot_of_the_real_model_mid_conversation(browser, tmp_path):
 
     target = screenshot_target("screenshot.png", tmp_path)
     client = EngineClient(LLMEngine(None, num_gpu_blocks=512, num_cpu_blocks=64))
-    demo, url = serve(client, Store(tmp_path / "chat.db"))
+    server, url = serve(client, Store(tmp_path / "chat.db"))
     try:
         profile = Browser(browser, url)
         page = profile.open()
@@ -301,5 +301,5 @@ def test_screenshot_of_the_real_model_mid_conversation(browser, tmp_path):
         assert profile.errors == []
         assert png_size(target) == (1280, 800)
     finally:
-        demo.close()
+        server.close()
         client.close()

@@ -137,3 +137,18 @@ def test_cost_per_token_does_not_grow_with_output_length(tokenizer):
     long_max, long_work = decode_work_per_token(tokenizer, ids)
     assert short_max == long_max <= 8
     assert long_work <= 1.2 * short_work
+
+
+def test_include_stop_keeps_the_stop_string_and_ends_there(tokenizer):
+    ids = encode(tokenizer, "The answer is 42.\nUser: thanks")
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["\nUser:"], include_stop=True)
+    text = "".join(detok.add(i) for i in ids) + detok.flush()
+    assert text == detok.text == "The answer is 42.\nUser:" and detok.stopped
+
+
+def test_no_stop_string_counts_while_check_stop_is_off(tokenizer):
+    ids = encode(tokenizer, "Stop here. Then stop here again.")
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["here"])
+    first = len(encode(tokenizer, "Stop here."))
+    text = "".join(detok.add(token, check_stop=i >= first) for i, token in enumerate(ids)) + detok.flush()
+    assert text == "Stop here. Then stop " and detok.stopped  # the first "here" was before min_tokens

@@ -138,7 +138,7 @@ def test_screenshot_of_the_panel_under_load(browser, tmp_path):
     target = screenshot_target("panel.png", tmp_path)
     client = EngineClient(LLMEngine(None, num_gpu_blocks=96, num_cpu_blocks=256))
     feed, load = PanelFeed(client), LoadGenerator(client)
-    demo, url = serve(client, Store(tmp_path / "chat.db"), feed, load)
+    server, url = serve(client, Store(tmp_path / "chat.db"), feed, load)
     try:
         profile = Browser(browser, url)
         page = profile.open("panel", viewport={"width": 1400, "height": 1200})
@@ -157,6 +157,6 @@ def test_screenshot_of_the_panel_under_load(browser, tmp_path):
         assert png_size(target)[0] == 1400
     finally:
         load.stop()
-        demo.close()
+        server.close()
         feed.close()
         client.close()

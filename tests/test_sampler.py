@@ -228,3 +228,54 @@ def test_cuda_logits_with_cuda_generators():
     out = sample(logits, rows)
     again = sample(logits, [SamplingRow(r.params, r.token_ids, make_generator(r.params.seed, "cuda"), 2) for r in rows])
     assert out == again and out[0] == [int(logits[0].float().argmax())] * 2
+
+
+# ---- OpenAI's penalties, min-p and min_tokens ---------------------------------------------------------
+def test_presence_and_frequency_penalties_subtract_per_output_token_as_openai_defines():
+    vocab = 8
+    logits = torch.zeros(1, vocab)
+    logits[0, 3] = 2.0  # the favourite, already said twice in the output
+    logits[0, 5] = 1.5  # said once in the prompt only: never penalized
+    prompt, output = [5, 5], [3, 3, 1]
+    params = dict(temperature=0.0, presence_penalty=0.3, frequency_penalty=0.4)
+    plain = SamplingRow(SamplingParams(temperature=0.0), prompt + output, None, num_prompt_tokens=len(prompt))
+    penalized = SamplingRow(SamplingParams(**params), prompt + output, None, num_prompt_tokens=len(prompt))
+    assert sample(logits, [plain]) == [[3]]
+    # 3: 2.0 - 0.3 - 2 * 0.4 = 0.9 < 1.5 (5, untouched), so 5 wins; token 1: 0 - 0.3 - 0.4.
+    assert sample(logits, [penalized]) == [[5]]
+    assert logits[0, 3] == 2.0  # the caller's logits are left as they were
+    # The same shift seen through the distribution: frequencies follow softmax(logits - penalty).
+    shifted = logits.clone()
+    shifted[0, 3] -= 0.3 + 2 * 0.4
+    shifted[0, 1] -= 0.3 + 0.4
+    rows = [SamplingRow(SamplingParams(temperature=1.0, presence_penalty=0.3, frequency_penalty=0.4, seed=7),
+                        prompt + output, make_generator(7), num_samples=20_000, num_prompt_tokens=len(prompt))]
+    assert_matches_distribution(sample(logits, rows)[0], shifted[0].softmax(-1))
+
+
+def test_negative_penalties_encourage_repeats():
+    logits = torch.tensor([[1.0, 0.0, 0.5]])
+    row = SamplingRow(SamplingParams(temperature=0.0, frequency_penalty=-1.5), [9, 1], None, num_prompt_tokens=1)
+    assert sample(logits, [row]) == [[1]]
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_as_likely_as_the_top_one():
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.05, 0.03])
+    logits = probs.log().unsqueeze(0)
+    rows = [SamplingRow(SamplingParams(temperature=1.0, min_p=0.2, seed=3), [], make_generator(3), num_samples=20_000)]
+    kept = torch.where(probs >= 0.2 * 0.5, probs, torch.zeros(()))  # 0.5, 0.3, 0.12 stay
+    assert_matches_distribution(sample(logits, rows)[0], kept / kept.sum())
+
+
+def test_min_p_applies_after_the_temperature_like_vllm():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    # At temperature 0.5 the odds of token 1 against token 0 are e^-2 = 0.135 < min_p 0.2: only 0 is left.
+    rows = [SamplingRow(SamplingParams(temperature=0.5, min_p=0.2, seed=1), [], make_generator(1), num_samples=500)]
+    assert set(sample(logits, rows)[0]) == {0}
+
+
+def test_banned_tokens_are_never_sampled_greedy_or_not():
+    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]])
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=2)):
+        row = SamplingRow(params, [], make_generator(params.seed), num_samples=200, banned_token_ids=frozenset({0}))
+        assert 0 not in sample(logits, [row])[0]

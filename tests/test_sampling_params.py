@@ -19,6 +19,14 @@ from engine import SamplingParams
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"stop": [""]}, "stop strings"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"frequency_penalty": math.inf}, "frequency_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": math.nan}, "min_p"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
 ])
 def test_absurd_parameters_are_refused_with_the_limit(kwargs, words):
     with pytest.raises(ValueError, match=words):

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 from urllib.parse import parse_qs
 
-from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 EVENT_STREAM_PATH = "/queue/data"  # Gradio's per-session event stream (after its API prefix)
@@ -36,10 +34,6 @@ class Sessions:
             event = self._gone[session_hash] = asyncio.Event()
         return event
 
-    def app_kwargs(self) -> dict[str, Any]:
-        """What `Blocks.launch(app_kwargs=...)` needs to watch this app's sessions."""
-        return {"middleware": [Middleware(SessionWatch, sessions=self)]}
-
     def _opened(self, session_hash: str) -> asyncio.Event:
         event = self._gone.get(session_hash)
         if event is None or event.is_set():  # a session that came back gets a fresh event
@@ -56,7 +50,8 @@ class Sessions:
 
 
 class SessionWatch:
-    """ASGI middleware: tells `sessions` when a session's event stream disconnects."""
+    """ASGI middleware: tells `sessions` when a session's event stream disconnects.
+    `server.add_middleware(SessionWatch, sessions=sessions)` on the app Gradio is mounted in."""
 
     def __init__(self, app: ASGIApp, sessions: Sessions) -> None:
         self.app = app

@@ -8,6 +8,7 @@ from engine.core.checks import require
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0
+MAX_PENALTY = 2.0  # OpenAI's bound on presence and frequency penalties
 
 
 @dataclass
@@ -23,6 +24,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many most likely tokens' log-probabilities per step
+    presence_penalty: float = 0.0   # subtracted from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted once per time a token is already in the output
+    min_p: float = 0.0              # drop tokens less likely than min_p times the likeliest one
+    min_tokens: int = 0             # no stop token or stop string ends the output before this many tokens
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +49,16 @@ class SamplingParams:
         require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         require(all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty, got {self.stop!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            require(_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                    f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value!r}")
+        require(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
+        require(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+                and 0 <= self.min_tokens <= self.max_tokens,
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos"):
+            require(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 

@@ -95,8 +95,10 @@ class ModelRunner:
         items = [out.scheduled[i] for i in sample_rows]
         for item in items:
             request = item.request
-            rows.append(SamplingRow(request.sampling_params, request.all_token_ids,
-                                    self._generator(request), item.num_samples))
+            params = request.sampling_params
+            banned = request.stop_ids if request.num_output_tokens < params.min_tokens else frozenset()
+            rows.append(SamplingRow(params, request.all_token_ids, self._generator(request), item.num_samples,
+                                    request.num_prompt_tokens, banned))
         tokens = sample(logits, rows)
         self.logprobs = {}
         for i, (item, toks) in enumerate(zip(items, tokens)):

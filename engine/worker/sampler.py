@@ -1,7 +1,9 @@
 """Sampling: one batch of next-token logits in, sampled token ids out, one row per request.
 
-Each row follows Hugging Face transformers and vLLM: the repetition penalty, then either argmax
-(temperature 0) or temperature, top-k, top-p and a draw from the softmax. The arithmetic is
+Each row follows Hugging Face transformers and vLLM: tokens banned this step (stop tokens before
+`min_tokens`) are masked, OpenAI's presence and frequency penalties are subtracted (for the
+tokens of the output so far), the repetition penalty applied (prompt and output), then either
+argmax (temperature 0) or temperature, min-p, top-k, top-p and a draw from the softmax. The arithmetic is
 batched over the rows, in fp32 whatever the logits' dtype; the per-row work is reading a row's
 token ids and drawing its uniform numbers from its own generator. A row's tokens depend on its own
 logits, parameters and generator alone, so a seeded request samples the same tokens whatever else
@@ -28,6 +30,8 @@ class SamplingRow:
     token_ids: Sequence[int]               # the request's prompt + output so far (for repetition penalty)
     generator: torch.Generator | None      # per-request generator, seeded from params.seed; None = torch's default RNG
     num_samples: int = 1                   # draw this many tokens from this row (n > 1 forking); >= 1
+    num_prompt_tokens: int = 0             # token_ids[num_prompt_tokens:] is the output so far (for the penalties)
+    banned_token_ids: frozenset[int] = frozenset()  # never sampled this step (stop tokens before min_tokens)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -47,6 +51,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[int]]:
     if any(row.num_samples < 1 for row in rows):
         raise ValueError("num_samples must be at least 1")
     logits = logits.float()
+    if any(_adjusts(row) for row in rows):
+        logits = logits.clone()  # the caller's logits (for logprobs) stay as the model gave them
+        _ban_(logits, rows)
+        _apply_output_penalties_(logits, rows)
     results: list[list[int]] = [[] for _ in rows]
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     if greedy:
@@ -60,6 +68,35 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[int]]:
         for i, tokens in zip(random, _sample_random(_take(logits, random), [rows[i] for i in random])):
             results[i] = tokens
     return results
+
+
+def _adjusts(row: SamplingRow) -> bool:
+    return bool(row.banned_token_ids) or _penalizes_output(row)
+
+
+def _penalizes_output(row: SamplingRow) -> bool:
+    params = row.params
+    return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0) and len(row.token_ids) > row.num_prompt_tokens
+
+
+def _ban_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        banned = [t for t in row.banned_token_ids if t < vocab]
+        if banned:
+            logits[i, banned] = float("-inf")
+
+
+def _apply_output_penalties_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place, OpenAI's rule (as vLLM applies it, before the temperature): for each token of the
+    output so far, subtract frequency_penalty per occurrence and presence_penalty once."""
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        if not _penalizes_output(row):
+            continue
+        output = torch.as_tensor(np.asarray(row.token_ids[row.num_prompt_tokens:], dtype=np.int64))
+        counts = torch.bincount(output[output < vocab], minlength=vocab).to(logits.device, torch.float32)
+        logits[i] -= row.params.frequency_penalty * counts + row.params.presence_penalty * (counts > 0)
 
 
 def _penalizes(row: SamplingRow) -> bool:
@@ -92,6 +129,11 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[i
     # The penalty scales a logit by a positive factor chosen by its sign, which dividing by a positive
     # temperature keeps, so applying it after the temperature gives HF's penalty-first result.
     _apply_repetition_penalty_(scaled, rows)
+    min_p = [i for i, row in enumerate(rows) if row.params.min_p > 0.0]
+    if min_p:
+        p = torch.tensor([rows[i].params.min_p for i in min_p], dtype=torch.float32, device=device)
+        # log(min_p * max prob) = log(min_p) + the largest logit, without a softmax.
+        _update_rows(scaled, min_p, lambda x: _mask_below(x, x.max(dim=-1, keepdim=True).values + p.log().unsqueeze(1)))
     vocab = scaled.shape[1]
     top_k = [i for i, row in enumerate(rows) if 0 < row.params.top_k < vocab]
     if top_k:

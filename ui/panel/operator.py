@@ -10,25 +10,14 @@ included) refuse them.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from collections.abc import Mapping
+
+from engine.api.access import is_loopback
 
 TOKEN_ENV = "PAGEDCHAT_ADMIN_TOKEN"
 OWNER_ENV = "SPACE_AUTHOR_NAME"  # set by Hugging Face on a Space: the user or org that owns it
 REFUSAL = ("The load generator is for the operator of this server: run the app on your own machine, "
            "sign in as the Space's owner, or give the admin token.")
-
-
-def is_loopback(host: str | None) -> bool:
-    """Whether an app bound to `host` is reachable only from this machine."""
-    if not host:
-        return False
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def may_operate(bound_host: str | None, profile_username: str | None, given_token: str | None,

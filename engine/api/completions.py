@@ -1,0 +1,298 @@
+"""`/v1/chat/completions` and `/v1/completions`: a request becomes one engine request per prompt
+(n samples each), whose deltas become OpenAI's response, streamed as server-sent events or whole.
+
+Choice `i` of a text completion with several prompts is prompt `i // n`, sample `i % n`, as in
+OpenAI's API. A client that disconnects cancels the handler's task: the engine client aborts its
+requests at once and their blocks return (non-streaming requests are watched for it too).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.api.errors import APIError, bad_request
+from engine.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from engine.client import EngineClient
+from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.outputs import Delta, Usage
+
+DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request checks that its client is still there
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class Choice:
+    """One sample's output so far."""
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    usage: Usage | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)  # (sampled id, top ids' logprobs)
+
+
+class Completions:
+    """The two completion endpoints over one engine client. `tokenizer` is the API's own copy
+    (the engine's stays on its loop thread); it only turns logprob token ids into text."""
+
+    def __init__(self, client: EngineClient, tokenizer, model_name: str) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    # ---- the endpoints -------------------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self._check_model(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = self._params(body, max_tokens, logprobs, self.client.info().max_model_len)
+        try:
+            messages = body.chat()
+        except ValueError as error:
+            raise bad_request(str(error), "messages") from None
+        reply = _Reply("chatcmpl", self.model_name, body.n, chat=True, top=body.top_logprobs or 0, decode=self._token)
+        return await self._answer(reply, [messages], params, body, request)
+
+    async def text(self, body: CompletionRequest, request: Request):
+        self._check_model(body)
+        if body.echo:
+            raise bad_request("echo is not supported", "echo")
+        prompts = _prompts(body.prompt)
+        params = self._params(body, body.max_tokens, body.logprobs, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        reply = _Reply("cmpl", self.model_name, body.n, chat=False, top=body.logprobs or 0, decode=self._token)
+        return await self._answer(reply, prompts, params, body, request)
+
+    # ---- shared ---------------------------------------------------------------------------------
+    def _check_model(self, body: SamplingFields) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist. This server serves `{self.model_name}`.",
+                           "not_found_error", "model", "model_not_found")
+
+    @staticmethod
+    def _params(body: SamplingFields, max_tokens: int | None, logprobs: int | None, default: int) -> SamplingParams:
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+        try:
+            return body.sampling_params(max_tokens, logprobs, default)
+        except ValueError as error:
+            message = str(error)
+            raise bad_request(message, message.split(" ", 1)[0]) from None  # the message starts with the name
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    async def _answer(self, reply: _Reply, prompts: list, params: SamplingParams, body: SamplingFields,
+                      request: Request):
+        streams = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.client.asubmit(prompt, params, request_id=f"{reply.id}-{i}",
+                                                         cache_salt=body.cache_salt))
+        except ValueError as error:  # a prompt the engine refuses: empty, or longer than it can hold
+            for stream in streams:
+                await stream.aclose()
+            raise bad_request(str(error), "messages" if reply.chat else "prompt") from None
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        deltas = _merged(streams, params.n)
+        if body.stream:
+            return StreamingResponse(reply.events(deltas, body.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        collect = asyncio.ensure_future(reply.collect(deltas))
+        try:
+            while not collect.done():
+                await asyncio.wait({collect}, timeout=DISCONNECT_CHECK_S)
+                if not collect.done() and await request.is_disconnected():
+                    collect.cancel()  # aborts the requests
+                    await asyncio.gather(collect, return_exceptions=True)
+                    return JSONResponse({}, status_code=499)  # nobody reads it
+        except asyncio.CancelledError:
+            collect.cancel()
+            raise
+        return collect.result()
+
+
+class _Reply:
+    """One API request's choices, as OpenAI's JSON: whole, or as streamed chunks."""
+
+    def __init__(self, prefix: str, model: str, n: int, chat: bool, top: int, decode: Callable[[int], str]) -> None:
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.model = model
+        self.n = n
+        self.chat = chat
+        self.top = top
+        self.decode = decode
+        self.created = int(time.time())
+        self.choices: dict[int, Choice] = {}
+
+    def choice(self, index: int) -> Choice:
+        if index not in self.choices:
+            self.choices[index] = Choice(index)
+        return self.choices[index]
+
+    def add(self, index: int, delta: Delta) -> Choice:
+        choice = self.choice(index)
+        choice.text += delta.text
+        choice.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            choice.logprobs += zip(delta.token_ids, delta.logprobs)
+        if delta.finish_reason is not None:
+            choice.finish_reason, choice.error, choice.usage = delta.finish_reason, delta.error, delta.usage
+        return choice
+
+    # ---- whole ----------------------------------------------------------------------------------
+    async def collect(self, deltas: AsyncIterator[tuple[int, Delta]]) -> JSONResponse:
+        async for index, delta in deltas:
+            self.add(index, delta)
+        failed = [c for c in self.choices.values() if c.finish_reason == "error"]
+        if failed:
+            raise APIError(500, f"The engine failed this request: {failed[0].error}", "internal_server_error")
+        choices = [self._whole(self.choices[i]) for i in sorted(self.choices)]
+        body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage()}
+        return JSONResponse(body)
+
+    def _whole(self, choice: Choice) -> dict:
+        if self.chat:
+            return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                    "logprobs": self._chat_logprobs(choice.logprobs) if choice.logprobs else None,
+                    "finish_reason": choice.finish_reason}
+        return {"index": choice.index, "text": choice.text,
+                "logprobs": self._text_logprobs(choice.logprobs, 0) if choice.logprobs else None,
+                "finish_reason": choice.finish_reason}
+
+    def usage(self) -> dict:
+        """Prompt tokens once per prompt (its first sample's), completion tokens of every sample."""
+        prompt = cached = completion = 0
+        for index, choice in self.choices.items():
+            if choice.usage is None:
+                continue
+            completion += choice.usage.completion_tokens
+            if index % self.n == 0:
+                prompt += choice.usage.prompt_tokens
+                cached += choice.usage.cached_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    # ---- streamed -------------------------------------------------------------------------------
+    async def events(self, deltas: AsyncIterator[tuple[int, Delta]], include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per delta with something in it, then the usage chunk if
+        asked for, then `[DONE]`. An engine failure ends the stream with an error event."""
+        try:
+            async for index, delta in deltas:
+                first = index not in self.choices
+                choice = self.add(index, delta)
+                if delta.finish_reason == "error":
+                    yield _event({"error": {"message": f"The engine failed this request: {delta.error}",
+                                            "type": "internal_server_error", "param": None, "code": None}})
+                    return
+                if first and self.chat:
+                    yield _event(self._chunk(index, {"role": "assistant", "content": ""}, None, None))
+                if delta.text or delta.finish_reason is not None or delta.logprobs:
+                    logprobs = None
+                    if delta.logprobs:
+                        pairs = list(zip(delta.token_ids, delta.logprobs))
+                        offset = len(choice.text) - len(delta.text)
+                        logprobs = self._chat_logprobs(pairs) if self.chat else self._text_logprobs(pairs, offset)
+                    content = {"content": delta.text} if self.chat and delta.text else ({} if self.chat else delta.text)
+                    yield _event(self._chunk(index, content, delta.finish_reason, logprobs))
+            if include_usage:
+                yield _event({"id": self.id, "object": self._chunk_object(), "created": self.created,
+                              "model": self.model, "choices": [], "usage": self.usage()})
+            yield "data: [DONE]\n\n"
+        finally:
+            await deltas.aclose()  # a client gone mid-stream: its requests are aborted now
+
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _chunk(self, index: int, content, finish_reason: str | None, logprobs: dict | None) -> dict:
+        choice = ({"index": index, "delta": content} if self.chat else {"index": index, "text": content})
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
+        return {"id": self.id, "object": self._chunk_object(), "created": self.created, "model": self.model,
+                "choices": [choice]}
+
+    # ---- logprobs ---------------------------------------------------------------------------------
+    def _chat_logprobs(self, pairs: list[tuple[int, dict[int, float]]]) -> dict:
+        content = []
+        for token_id, logprobs in pairs:
+            top = sorted(((t, lp) for t, lp in logprobs.items()), key=lambda item: -item[1])[:self.top]
+            content.append({**self._entry(token_id, logprobs[token_id]),
+                            "top_logprobs": [self._entry(t, lp) for t, lp in top]})
+        return {"content": content}
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _text_logprobs(self, pairs: list[tuple[int, dict[int, float]]], offset: int) -> dict:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for token_id, logprobs in pairs:
+            text = self.decode(token_id)
+            tokens.append(text)
+            token_logprobs.append(logprobs[token_id])
+            top = sorted(logprobs.items(), key=lambda item: -item[1])[:self.top]
+            top_logprobs.append({self.decode(t): lp for t, lp in top})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _prompts(prompt: str | list) -> list[str | list[int]]:
+    """A text completion's prompts: one text, texts, one token list, or token lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("the prompt is empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+async def _merged(streams: list[AsyncIterator[Delta]], n: int) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every prompt's stream as the deltas come. Closing this closes
+    every stream, which aborts the requests still running."""
+    if len(streams) == 1:
+        try:
+            async for delta in streams[0]:
+                yield delta.index, delta
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(prompt_index: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((prompt_index * n + delta.index, delta))
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        for _ in streams:
+            while (item := await queue.get()) is not None:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()

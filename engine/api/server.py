@@ -1,0 +1,141 @@
+"""The OpenAI-compatible API over one engine client, as FastAPI routes: what `python -m engine.serve`
+serves alone and what the chat app serves next to its pages.
+
+    /v1/chat/completions  /v1/completions  /v1/models  /v1/kv_cache   (API key, when one is set)
+    /health  /metrics  /tokenize  /detokenize                         (open, as on vLLM's server)
+
+Every error answers in OpenAI's shape (engine/api/errors.py). A body larger than MAX_BODY_BYTES
+is refused before it is read.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine.api.access import bearer_key_check
+from engine.api.completions import Completions
+from engine.api.errors import APIError, bad_request, install_error_handlers
+from engine.api.kv_cache import kv_cache_json
+from engine.api.metrics import CONTENT_TYPE, EngineMetrics
+from engine.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from engine.client import EngineClient
+
+MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any prompt the engine can hold, far below harm
+API_PATHS = ("/v1/", "/tokenize", "/detokenize")  # the body limit's; the app's pages keep Gradio's
+
+
+def add_openai_api(app: FastAPI, client: EngineClient, model_name: str | None = None,
+                   api_key: str | None = None) -> EngineMetrics:
+    """Add the API's routes, error handlers and body limit to `app`. `api_key`: required as a
+    Bearer token on /v1/*; None leaves them open. Returns the metrics (registered on the client)."""
+    info = client.info()
+    model_name = model_name or info.model
+    tokenizer = copy.deepcopy(client.engine.tokenizer)  # the API's own: the engine's stays on its thread
+    completions = Completions(client, tokenizer, model_name)
+    metrics = EngineMetrics(client, model_name)
+    created = int(time.time())
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_key_check(api_key))])
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await completions.chat(body, request)
+
+    @v1.post("/completions")
+    async def text_completions(body: CompletionRequest, request: Request):
+        return await completions.text(body, request)
+
+    @v1.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "pagedchat", "root": info.model,
+                                            "max_model_len": info.max_model_len}]}
+
+    @v1.get("/kv_cache")
+    async def kv_cache() -> dict:
+        return kv_cache_json(info, client.stats(), await asyncio.to_thread(client.block_map))
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.closed:
+            raise APIError(503, "The engine loop is not running.", "service_unavailable", code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give either `prompt` or `messages`", "prompt")
+        if body.messages is not None:
+            try:
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            except ValueError as error:
+                raise bad_request(str(error), "messages") from None
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                 tokenize=False)
+        else:
+            text = body.prompt
+        tokens = tokenizer(text, add_special_tokens=False).input_ids
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        vocab = len(tokenizer)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids must be in [0, {vocab}), got {bad[0]}", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    return metrics
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 in OpenAI's shape, unread."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(API_PATHS):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"The request body is larger than {self.max_bytes} bytes.", code="request_too_large")
+        await error.response()(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
