@@ -21,9 +21,7 @@ from fastapi import FastAPI
 
 HUB_DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
-from engine import EngineClient
-from engine.api import add_openai_api
-from engine.api.access import is_loopback
+from engine import EngineClient, add_openai_api, is_loopback
 from storage import Store
 from ui.chat import build_chat
 from ui.panel.load_generator import LoadGenerator

@@ -2,6 +2,7 @@
 
 The layers, each importing only those below it:
     engine/           the public surface: LLM, LLMEngine, EngineClient, SamplingParams, outputs
+    engine/api/       the OpenAI-compatible HTTP API and its Prometheus metrics (`python -m engine.serve`)
     engine/core/      CPU-side decisions: requests, scheduler, KV-cache manager, block pool (no torch)
     engine/worker/    the tensor side: model runner, models, sampler, decode graphs, loader, memory
     engine/devtools/  a simulated runner, the invariant checker and `python -m engine.devtools.simulate`
@@ -16,7 +17,8 @@ from engine.outputs import CompletionOutput, Delta, EngineInfo, FirstToken, Requ
 
 # The model-facing API pulls in torch and transformers: imported only when asked for.
 _LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineClient": "engine.client",
-         "EngineBusyError": "engine.client", "EngineDeadError": "engine.client"}
+         "EngineBusyError": "engine.client", "EngineDeadError": "engine.client",
+         "add_openai_api": "engine.api", "is_loopback": "engine.api.access"}
 
 
 def __getattr__(name: str):
@@ -28,4 +30,5 @@ def __getattr__(name: str):
 
 __all__ = ["BlockInfo", "BlockMap", "BlockState", "CompletionOutput", "Delta", "EngineBusyError", "EngineClient", "EngineDeadError", "EngineInfo",
            "FinishReason", "FirstToken", "LLM", "LLMEngine", "PromptTooLongError", "Request", "RequestOutput",
-           "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerStats", "Usage", "decode_rate"]
+           "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerStats", "Usage", "add_openai_api",
+           "decode_rate", "is_loopback"]

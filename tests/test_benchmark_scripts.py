@@ -52,3 +52,14 @@ def test_soak_script_short(tiny_model_dir):
     assert figures["replies_lost"] == 0 and figures["hung"] == 0 and figures["errors"] == 0, figures
     assert figures["blocks_left"] == 0 and figures["requests_left"] == 0
     assert figures["page_loads"] > 0 and figures["page_load_p99_s"] is not None
+
+
+def test_serve_script_short(tiny_model_dir):
+    """The HTTP load generator against a real `python -m engine.serve` it starts: Poisson arrivals,
+    shared system prompts and follow-up turns, streamed through the OpenAI API."""
+    figures = last_json_line(["benchmarks/serve.py", "--model", tiny_model_dir, "--num-gpu-blocks", "128",
+                              "--rates", "4", "--duration-s", "4", "--max-tokens", "8"])
+    [row] = figures["rates"]
+    assert row["sent"] > 0 and row["completed"] == row["sent"] and row["failed"] == 0, row
+    assert row["output_tok_s"] > 0 and row["ttft_p50_s"] > 0 and row["itl_p50_ms"] is not None
+    assert row["cached_share"] > 0  # the shared system prompts come from the prefix cache

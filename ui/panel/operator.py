@@ -12,7 +12,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Mapping
 
-from engine.api.access import is_loopback
+from engine import is_loopback
 
 TOKEN_ENV = "PAGEDCHAT_ADMIN_TOKEN"
 OWNER_ENV = "SPACE_AUTHOR_NAME"  # set by Hugging Face on a Space: the user or org that owns it
