@@ -7,6 +7,7 @@ import os
 import time
 
 import torch
+from benchmarks.machine import cpu_model
 
 
 def now(device: torch.device) -> float:
@@ -26,14 +27,7 @@ def free_memory(device: torch.device) -> None:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
+    return cpu_model()
 
 
 def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, tries: int = 5,

@@ -28,6 +28,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from machine import cpu_model  # noqa: E402
 
 SYSTEM_PROMPTS = (
     "You are a helpful assistant. Answer clearly and concisely, and say so when you are unsure.",
@@ -175,14 +178,6 @@ def start_engine_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str
             server.kill()
             raise RuntimeError("engine.serve did not come up in 300 s")
         time.sleep(0.5)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
 
 
 def main() -> None:

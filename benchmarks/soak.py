@@ -22,7 +22,6 @@ import json
 import os
 import random
 import sqlite3
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import gradio_http  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 PRESETS = ("Helpful assistant", "Teacher", "None")
 QUESTIONS = ("How do lighthouses work?", "Tell me a short story about a cat.", "What is paged attention?",
@@ -323,14 +323,6 @@ def wait_idle(app: ChildApp, timeout: float) -> dict:
                 or time.monotonic() > deadline:
             return stats
         time.sleep(0.2)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -37,6 +37,30 @@ class Served:
         self._thread.join(timeout=15)
 
 
+class PeakRunning:
+    """Context manager: the most requests `client`'s engine ran at once while it was open
+    (sampled every 2 ms)."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.peak = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch)
+
+    def __enter__(self) -> PeakRunning:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, self.client.stats().num_running)
+            time.sleep(0.002)
+
+
 def serve(client, store, feed=None, load=None, host: str | None = None, api_key: str | None = None) -> tuple[Served, str]:
     """The whole app (`app.build_app` behind `app.build_server`) on 127.0.0.1, in this process: the
     server and its URL. `host` is the address the app is told it is bound to (it decides who may

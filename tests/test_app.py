@@ -13,7 +13,7 @@ gr = pytest.importorskip("gradio")
 import httpx  # noqa: E402
 from gradio_client import Client  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
-from served_app import served_chat  # noqa: E402
+from served_app import PeakRunning, served_chat  # noqa: E402
 
 from engine import SamplingParams  # noqa: E402
 
@@ -60,26 +60,15 @@ def test_eight_browsers_chat_at_once(served):
         results[i] = job.result(timeout=60)
         session.close()
 
-    peak_running = 0
-    done = threading.Event()
-
-    def watch() -> None:  # the engine must see several streams at once: the queue does not serialise them
-        nonlocal peak_running
-        while not done.is_set():
-            peak_running = max(peak_running, client.stats().num_running)
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    threads = [threading.Thread(target=chat, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=90)
-    done.set()
-    watcher.join()
+    # The engine must see several streams at once: the queue does not serialise them.
+    with PeakRunning(client) as running_at_once:
+        threads = [threading.Thread(target=chat, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=90)
     assert sorted(results) == list(range(8))
-    assert peak_running >= 2
+    assert running_at_once.peak >= 2
 
     replies = []
     for i, user in enumerate(users):

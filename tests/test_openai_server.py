@@ -7,7 +7,6 @@ import json
 import math
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 
@@ -15,7 +14,7 @@ import httpx
 import pytest
 from openai import APIStatusError, AsyncOpenAI, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
-from served_app import Served, free_port
+from served_app import PeakRunning, Served, free_port
 
 from engine import LLM, EngineClient, LLMEngine, SamplingParams
 from engine.serve import build_server
@@ -124,21 +123,9 @@ def test_async_client_streams_many_at_once(url, engine_client, offline):
         async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
             return await asyncio.gather(*(one(client, q) for q in questions))
 
-    peak = 0
-    done = threading.Event()
-
-    def watch() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, engine_client.stats().num_running)
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    replies = asyncio.run(main())
-    done.set()
-    watcher.join()
-    assert replies == expected and peak >= 8  # each its own, complete; batched together
+    with PeakRunning(engine_client) as running_at_once:
+        replies = asyncio.run(main())
+    assert replies == expected and running_at_once.peak >= 8  # each its own, complete; batched together
     assert idle(engine_client, 2.0)
 
 

@@ -93,15 +93,16 @@ class _StatsCollector:
         stats = self.client.stats()
         labels = [self.model_name]
 
-        def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, documentation, labels=["model_name"])
-            family.add_metric(labels, value)
-            return family
+        def family(kind: type, name: str, documentation: str, value: float) -> Metric:
+            metric = kind(name, documentation, labels=["model_name"])
+            metric.add_metric(labels, value)
+            return metric
 
-        def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, documentation, labels=["model_name"])
-            family.add_metric(labels, value)
-            return family
+        def gauge(name: str, documentation: str, value: float) -> Metric:
+            return family(GaugeMetricFamily, name, documentation, value)
+
+        def counter(name: str, documentation: str, value: float) -> Metric:
+            return family(CounterMetricFamily, name, documentation, value)
 
         preemptions = stats.num_preemptions_swap + stats.num_preemptions_recompute
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running)

@@ -14,7 +14,7 @@ import copy
 import time
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.api.access import bearer_key_check
