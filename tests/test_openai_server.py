@@ -260,6 +260,13 @@ def test_a_prompt_longer_than_the_engine_holds_is_400_with_both_numbers(url):
     assert "max_model_len=1024" in error["message"] and "the prompt has" in error["message"]
 
 
+def test_a_refused_prompt_among_several_leaves_none_of_them_running(url, engine_client):
+    """The prompts before the refused one were already taken by the engine: they are aborted."""
+    body = {"prompt": ["Run for a long time.", "word " * 3000], "max_tokens": 900, "ignore_eos": True}
+    assert httpx.post(f"{url}/v1/completions", json=body).status_code == 400
+    assert idle(engine_client, 1.0), engine_client.stats()
+
+
 def test_an_unknown_model_is_404(url):
     response = httpx.post(f"{url}/v1/chat/completions", json={"model": "gpt-9", "messages": chat("hi")})
     assert response.status_code == 404 and error_of(response)["code"] == "model_not_found"

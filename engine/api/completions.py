@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from engine.api.errors import APIError, bad_request
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -93,35 +94,42 @@ class Completions:
 
     async def _answer(self, reply: _Reply, prompts: list, params: SamplingParams, body: SamplingFields,
                       request: Request):
-        streams = []
+        request_ids = [f"{reply.id}-{i}" for i in range(len(prompts))]
+
+        def abort_all() -> None:
+            # By id, not by closing the streams: closing an async generator that never started runs
+            # nothing. Aborting a request that has finished (or never began) does nothing.
+            for request_id in request_ids:
+                self.client.abort(request_id)
+
         try:
-            for i, prompt in enumerate(prompts):
-                streams.append(await self.client.asubmit(prompt, params, request_id=f"{reply.id}-{i}",
-                                                         cache_salt=body.cache_salt))
+            streams = [await self.client.asubmit(prompt, params, request_id=request_id, cache_salt=body.cache_salt)
+                       for request_id, prompt in zip(request_ids, prompts)]
         except ValueError as error:  # a prompt the engine refuses: empty, or longer than it can hold
-            for stream in streams:
-                await stream.aclose()
+            abort_all()  # the prompts before it were taken
             raise bad_request(str(error), "messages" if reply.chat else "prompt") from None
         except BaseException:
-            for stream in streams:
-                await stream.aclose()
+            abort_all()
             raise
         deltas = _merged(streams, params.n)
         if body.stream:
+            # A client gone before the body starts leaves the events generator unstarted, so its
+            # cleanup never runs; the background task runs however the response ended.
             return StreamingResponse(reply.events(deltas, body.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(abort_all))
         collect = asyncio.ensure_future(reply.collect(deltas))
         try:
             while not collect.done():
                 await asyncio.wait({collect}, timeout=DISCONNECT_CHECK_S)
                 if not collect.done() and await request.is_disconnected():
-                    collect.cancel()  # aborts the requests
+                    collect.cancel()
                     await asyncio.gather(collect, return_exceptions=True)
                     return JSONResponse({}, status_code=499)  # nobody reads it
-        except asyncio.CancelledError:
+            return collect.result()
+        finally:
             collect.cancel()
-            raise
-        return collect.result()
+            abort_all()
 
 
 class _Reply:
