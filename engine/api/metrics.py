@@ -11,7 +11,6 @@ API's alike.
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -52,8 +51,8 @@ class EngineMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
         self.registry.register(_StatsCollector(client, model_name))
-        self._last_token: dict[tuple[str, int], float] = {}  # (request, sample) -> when its latest token came
-        self._lock = threading.Lock()
+        # (request, sample) -> when its latest token came; touched only on the engine loop thread.
+        self._last_token: dict[tuple[str, int], float] = {}
         client.add_listener(self._on_delta)
 
     def render(self) -> bytes:
@@ -64,15 +63,13 @@ class EngineMetrics:
         key = (delta.request_id, delta.index)
         if delta.token_ids:
             self.generation_tokens.inc(len(delta.token_ids))
-            with self._lock:
-                previous = self._last_token.get(key)
-                self._last_token[key] = now
+            previous = self._last_token.get(key)
+            self._last_token[key] = now
             if previous is not None:
                 self.itl.observe((now - previous) / len(delta.token_ids))
         if delta.finish_reason is None:
             return
-        with self._lock:
-            self._last_token.pop(key, None)
+        self._last_token.pop(key, None)
         self.request_success[delta.finish_reason].inc()
         usage = delta.usage
         if usage is not None and delta.index == 0:  # one request's prompt, once, whatever its n
@@ -93,38 +90,34 @@ class _StatsCollector:
         stats = self.client.stats()
         labels = [self.model_name]
 
-        def family(kind: type, name: str, documentation: str, value: float) -> Metric:
-            metric = kind(name, documentation, labels=["model_name"])
-            metric.add_metric(labels, value)
-            return metric
-
-        def gauge(name: str, documentation: str, value: float) -> Metric:
-            return family(GaugeMetricFamily, name, documentation, value)
-
-        def counter(name: str, documentation: str, value: float) -> Metric:
-            return family(CounterMetricFamily, name, documentation, value)
-
-        preemptions = stats.num_preemptions_swap + stats.num_preemptions_recompute
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    stats.device_blocks_used / max(stats.device_blocks_total, 1))
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      stats.prefix_cache_queries)
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      stats.prefix_cache_hits)
-        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", preemptions)
-        yield gauge("pagedchat:num_requests_swapped", "Requests preempted by swapping, their KV blocks in the host pool.",
-                    stats.num_swapped)
-        yield gauge("pagedchat:host_kv_cache_usage_perc", "Host (CPU swap) KV pool usage. 1 means 100 percent usage.",
-                    stats.host_blocks_used / max(stats.host_blocks_total, 1))
-        yield gauge("pagedchat:kv_cache_cached_blocks", "Device blocks free but still holding a reusable prefix.",
-                    stats.device_blocks_cached)
-        yield counter("pagedchat:num_preemptions_swap", "Preemptions that swapped the victim's blocks to the host pool.",
-                      stats.num_preemptions_swap)
-        yield counter("pagedchat:num_preemptions_recompute", "Preemptions that freed the victim's blocks, to recompute.",
-                      stats.num_preemptions_recompute)
-        yield counter("pagedchat:blocks_swapped_out", "KV blocks copied from the device pool to the host pool.",
-                      stats.total_blocks_swapped_out)
-        yield counter("pagedchat:blocks_swapped_in", "KV blocks copied from the host pool back to the device pool.",
-                      stats.total_blocks_swapped_in)
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        metrics = (
+            (gauge, "vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running),
+            (gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
+            (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+             stats.device_blocks_used / max(stats.device_blocks_total, 1)),
+            (counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             stats.prefix_cache_queries),
+            (counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             stats.prefix_cache_hits),
+            (counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+             stats.num_preemptions_swap + stats.num_preemptions_recompute),
+            (gauge, "pagedchat:num_requests_swapped", "Requests preempted by swapping, their KV blocks in the host pool.",
+             stats.num_swapped),
+            (gauge, "pagedchat:host_kv_cache_usage_perc", "Host (CPU swap) KV pool usage. 1 means 100 percent usage.",
+             stats.host_blocks_used / max(stats.host_blocks_total, 1)),
+            (gauge, "pagedchat:kv_cache_cached_blocks", "Device blocks free but still holding a reusable prefix.",
+             stats.device_blocks_cached),
+            (counter, "pagedchat:num_preemptions_swap", "Preemptions that swapped the victim's blocks to the host pool.",
+             stats.num_preemptions_swap),
+            (counter, "pagedchat:num_preemptions_recompute", "Preemptions that freed the victim's blocks, to recompute.",
+             stats.num_preemptions_recompute),
+            (counter, "pagedchat:blocks_swapped_out", "KV blocks copied from the device pool to the host pool.",
+             stats.total_blocks_swapped_out),
+            (counter, "pagedchat:blocks_swapped_in", "KV blocks copied from the host pool back to the device pool.",
+             stats.total_blocks_swapped_in),
+        )
+        for kind, name, documentation, value in metrics:
+            family = kind(name, documentation, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family
