@@ -18,7 +18,8 @@ from engine.outputs import CompletionOutput, Delta, EngineInfo, FirstToken, Requ
 # The model-facing API pulls in torch and transformers: imported only when asked for.
 _LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineClient": "engine.client",
          "EngineBusyError": "engine.client", "EngineDeadError": "engine.client",
-         "add_openai_api": "engine.api", "is_loopback": "engine.api.access"}
+         "add_openai_api": "engine.api", "is_loopback": "engine.api.access",
+         "block_map_from_kv_cache_json": "engine.api.kv_cache"}
 
 
 def __getattr__(name: str):
@@ -31,4 +32,4 @@ def __getattr__(name: str):
 __all__ = ["BlockInfo", "BlockMap", "BlockState", "CompletionOutput", "Delta", "EngineBusyError", "EngineClient", "EngineDeadError", "EngineInfo",
            "FinishReason", "FirstToken", "LLM", "LLMEngine", "PromptTooLongError", "Request", "RequestOutput",
            "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerStats", "Usage", "add_openai_api",
-           "decode_rate", "is_loopback"]
+           "block_map_from_kv_cache_json", "decode_rate", "is_loopback"]

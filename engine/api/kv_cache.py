@@ -44,3 +44,72 @@ def _runs(values) -> list[list[int]]:
         else:
             runs.append([value, 1])
     return runs
+
+
+_STATES_BY_CODE = {code: state for state, code in STATE_CODES.items()}
+
+
+def block_map_from_kv_cache_json(data: dict, *, device: str = "remote") -> tuple[BlockMap, EngineInfo]:
+    """The inverse of `kv_cache_json`, for drawing a remote server's pools with the panel's block
+    map. The JSON carries no hashes, token counts or owners past the first: blocks come back with
+    `block_hash=None`, `num_tokens=0` and at most one owner. The info's `device` is what the
+    caller says (the server does not tell), its dtype and kernels "unknown". Raises ValueError
+    naming what is wrong in a malformed body (it comes from another machine)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"kv_cache: expected a JSON object, got {type(data).__name__}")
+    block_size = _int(data, "block_size", "kv_cache", minimum=1)
+    requests = data.get("requests", [])
+    if not isinstance(requests, list) or not all(isinstance(r, str) for r in requests):
+        raise ValueError("kv_cache.requests: expected a list of request id strings")
+    pools = {name: _pool_blocks(data.get(name), name, requests) for name in ("device", "host")}
+    model = data.get("model")
+    max_model_len = data.get("max_model_len") or 0
+    if not isinstance(max_model_len, int) or isinstance(max_model_len, bool):
+        raise ValueError(f"kv_cache.max_model_len: expected an integer, got {max_model_len!r}")
+    info = EngineInfo(model=str(model) if model is not None else "unknown", device=device, dtype="unknown",
+                      block_size=block_size, num_device_blocks=len(pools["device"]),
+                      num_host_blocks=len(pools["host"]), kernels="unknown", max_model_len=max_model_len)
+    return BlockMap(block_size, pools["device"], pools["host"]), info
+
+
+def _int(data: dict, key: str, where: str, minimum: int = 0) -> int:
+    value = data.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{where}.{key}: expected an integer of at least {minimum}, got {value!r}")
+    return value
+
+
+def _pool_blocks(pool: object, name: str, requests: list[str]) -> tuple[BlockInfo, ...]:
+    where = f"kv_cache.{name}"
+    if not isinstance(pool, dict):
+        raise ValueError(f"{where}: expected an object, got {type(pool).__name__}")
+    num_blocks = _int(pool, "num_blocks", where)
+    codes = pool.get("states")
+    if not isinstance(codes, str):
+        raise ValueError(f"{where}.states: expected a string of f/c/u letters")
+    if len(codes) != num_blocks:
+        raise ValueError(f"{where}.states: {len(codes)} letters for num_blocks={num_blocks}")
+    unknown = set(codes) - _STATES_BY_CODE.keys()
+    if unknown:
+        raise ValueError(f"{where}.states: unknown state letter(s) {''.join(sorted(unknown))!r} (expected f, c or u)")
+    ref_counts = _unrun(pool.get("ref_counts"), f"{where}.ref_counts", num_blocks, minimum=0)
+    owners = _unrun(pool.get("owners"), f"{where}.owners", num_blocks, minimum=-1)
+    if owners and max(owners) >= len(requests):
+        raise ValueError(f"{where}.owners: owner index {max(owners)} out of range ({len(requests)} requests)")
+    return tuple(BlockInfo(block_id, _STATES_BY_CODE[code], refs, 0, None, (requests[owner],) if owner >= 0 else ())
+                 for block_id, (code, refs, owner) in enumerate(zip(codes, ref_counts, owners)))
+
+
+def _unrun(runs: object, where: str, num_blocks: int, minimum: int) -> list[int]:
+    """[value, run length] pairs back to one value per block; the runs must cover the pool exactly."""
+    if not isinstance(runs, list):
+        raise ValueError(f"{where}: expected a list of [value, run length] pairs")
+    for i, run in enumerate(runs):
+        if (not isinstance(run, list) or len(run) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in run)
+                or run[0] < minimum or run[1] < 1):
+            raise ValueError(f"{where}[{i}]: expected [value >= {minimum}, run length >= 1], got {run!r}")
+    total = sum(length for _, length in runs)  # checked before expanding: a hostile length stays a number
+    if total != num_blocks:
+        raise ValueError(f"{where}: runs add up to {total} blocks, num_blocks is {num_blocks}")
+    return [value for value, length in runs for _ in range(length)]
