@@ -136,7 +136,8 @@ def _identity_html(status: BackendStatus) -> str:
     where = html.escape(status.url, quote=True) if status.url else "in-process engine"
     flavor = html.escape(FLAVORS.get(status.flavor, status.flavor))
     model = html.escape(status.model) if status.model else "model unknown"
-    length = f" · {status.max_model_len} tokens max" if status.max_model_len else ""
+    # max_model_len comes from the backend's /v1/models too: escaped in case it is not the int it should be
+    length = f" · {html.escape(str(status.max_model_len))} tokens max" if status.max_model_len else ""
     badge = ('<span class="cl-badge cl-badge-up">up</span>' if status.up
              else '<span class="cl-badge cl-badge-down">down</span>')
     problem = ""
@@ -146,7 +147,7 @@ def _identity_html(status: BackendStatus) -> str:
     return (f'<div class="cl-id"><div class="cl-name" title="{where}">{name}</div>'
             f'<div class="cl-meta"><span class="cl-model">{model}</span> · <span class="cl-flavor">{flavor}</span>'
             f'{length}</div>'
-            f'<div class="cl-state">{badge} <b data-metric="in-flight">{status.in_flight}</b> '
+            f'<div class="cl-state">{badge} <b data-metric="in-flight">{int(status.in_flight)}</b> '
             f'{"reply" if status.in_flight == 1 else "replies"} in flight from this app</div>{problem}</div>')
 
 
