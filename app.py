@@ -1,8 +1,10 @@
 """PagedChat: the engine, the store and the browser UI in one process, and the engine's
-OpenAI-compatible API (/v1, /metrics) on the same port.
+OpenAI-compatible API (/v1, /metrics) on the same port. Or the UI in front of OpenAI-compatible
+servers (vLLM, SGLang, llama.cpp, `python -m engine.serve`) instead of an engine of its own.
 
     python app.py                                  # SmolLM2-135M-Instruct, ./data/pagedchat.db
     MODEL=path/to/llama python app.py --port 8080  # flags override environment variables
+    python app.py --backend http://gpu1:8000 --backend http://gpu2:8000   # or $PAGEDCHAT_BACKENDS
 
 The API is on for an app bound to a loopback address; elsewhere (a network address, a Space)
 only with an API key ($PAGEDCHAT_API_KEY or --api-key), since an open engine is anyone's.
@@ -23,6 +25,8 @@ HUB_DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 from engine import EngineClient, add_openai_api, is_loopback
 from storage import Store
+from ui import backends
+from ui.backends.backend import ChatBackend
 from ui.chat import build_chat
 from ui.panel.load_generator import LoadGenerator
 from ui.panel.page import build_panel
@@ -31,33 +35,34 @@ from ui.identity import on_space
 from ui.sessions import Sessions, SessionWatch
 
 
-def build_app(client: EngineClient, store: Store, feed: PanelFeed | None = None,
+def build_app(backend: ChatBackend, store: Store, feed: PanelFeed | None = None,
               load: LoadGenerator | None = None, host: str | None = None,
               sessions: Sessions | None = None) -> gr.Blocks:
-    """The whole app around an engine client and a store, queued but not launched: the chat at
-    / and the engine panel at /panel. Pass `feed` and `load` to stop them yourself; otherwise
-    they end with the client (the feed's sampler stops, the synthetic users' submits fail).
-    `host`: the address it will be launched on (default: Gradio's, $GRADIO_SERVER_NAME or
-    127.0.0.1); on a loopback address whoever reaches the app may run the load generator.
-    `sessions`: the ones `build_server` watches, so that a reply whose browser disconnects is
-    cancelled at once (see ui/sessions.py)."""
-    feed = (feed or PanelFeed(client)).start()
-    load = load or LoadGenerator(client)
-    demo = build_chat(client, store, sessions)
+    """The whole app around a backend (ui/backends: the in-process engine or remote servers)
+    and a store, queued but not launched: the chat at / and the engine panel at /panel. `feed`
+    and `load` watch and drive an in-process engine (the panel's detail and load generator);
+    the caller stops them. `host`: the address it will be launched on (default: Gradio's,
+    $GRADIO_SERVER_NAME or 127.0.0.1); on a loopback address whoever reaches the app may run
+    the load generator. `sessions`: the ones `build_server` watches, so that a reply whose
+    browser disconnects is cancelled at once (see ui/sessions.py)."""
+    if feed is not None:
+        feed.start()
+    demo = build_chat(backend, store, sessions)
     with demo.route("Engine panel", "panel"):
-        build_panel(feed, load, host or os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+        build_panel(backend, feed, load, host or os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     # Streaming events set concurrency_limit=None themselves; the rest (storage calls) are quick.
     demo.queue(default_concurrency_limit=64)
     return demo
 
 
-def build_server(demo: gr.Blocks, client: EngineClient, sessions: Sessions, host: str,
+def build_server(demo: gr.Blocks, client: EngineClient | None, sessions: Sessions, host: str,
                  api_key: str | None = None) -> FastAPI:
-    """The HTTP server: the OpenAI-compatible API (when `api_enabled`) at /v1, /metrics, /health,
-    /tokenize and /detokenize, and the Gradio app at / (its routes come after the API's)."""
+    """The HTTP server: the in-process engine's OpenAI-compatible API (when there is one and
+    `api_enabled`) at /v1, /metrics, /health, /tokenize and /detokenize, and the Gradio app at /
+    (its routes come after the API's)."""
     server = FastAPI(title="PagedChat", docs_url=None, redoc_url=None)
     server.add_middleware(SessionWatch, sessions=sessions)
-    if api_enabled(host, api_key):
+    if client is not None and api_enabled(host, api_key):
         add_openai_api(server, client, api_key=api_key)
     return gr.mount_gradio_app(server, demo, path="/", ssr_mode=False)
 
@@ -90,27 +95,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--db", default=env("PAGEDCHAT_DB"), help="SQLite file ($PAGEDCHAT_DB, else ./data/pagedchat.db)")
     parser.add_argument("--api-key", default=env("PAGEDCHAT_API_KEY"),
                         help="Bearer key for the API at /v1 ($PAGEDCHAT_API_KEY); needed to serve it off loopback")
-    return parser.parse_args(argv)
+    parser.add_argument("--backend", action="append", default=None, metavar="URL",
+                        help="an OpenAI-compatible server to chat through instead of an engine of its own "
+                             "(repeat for several; $PAGEDCHAT_BACKENDS, comma-separated)")
+    parser.add_argument("--backend-key", action="append", default=None, metavar="KEY",
+                        help="API key per --backend, in order, or one for all ($PAGEDCHAT_BACKEND_KEYS)")
+    args = parser.parse_args(argv)
+    args.backend = args.backend or split_list(env("PAGEDCHAT_BACKENDS"))
+    args.backend_key = args.backend_key or split_list(env("PAGEDCHAT_BACKEND_KEYS"))
+    return args
+
+
+def split_list(value: str | None) -> list[str]:
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine import LLMEngine
-
     args = parse_args(argv)
-    engine = LLMEngine(args.model, args.device, num_gpu_blocks=args.num_gpu_blocks,
-                       num_cpu_blocks=args.num_cpu_blocks)
-    client = EngineClient(engine, max_waiting=args.max_waiting)
-    feed, load, sessions = PanelFeed(client), LoadGenerator(client), Sessions()
+    client = feed = load = None
+    if args.backend:
+        backend = backends.remote(args.backend, args.backend_key)
+        api = "the backends serve it"
+    else:
+        from engine import LLMEngine
+
+        engine = LLMEngine(args.model, args.device, num_gpu_blocks=args.num_gpu_blocks,
+                           num_cpu_blocks=args.num_cpu_blocks)
+        client = EngineClient(engine, max_waiting=args.max_waiting)
+        backend, feed, load = backends.in_process(client), PanelFeed(client), LoadGenerator(client)
+        api = "/v1" if api_enabled(args.host, args.api_key) else "off, no --api-key"
+    sessions = Sessions()
     try:
-        demo = build_app(client, Store(args.db), feed, load, host=args.host, sessions=sessions)
+        demo = build_app(backend, Store(args.db), feed, load, host=args.host, sessions=sessions)
         server = build_server(demo, client, sessions, args.host, args.api_key)
-        print(f"PagedChat on http://{args.host}:{args.port}/ (API: "
-              f"{'/v1' if api_enabled(args.host, args.api_key) else 'off, no --api-key'})", flush=True)
+        print(f"PagedChat on http://{args.host}:{args.port}/ (API: {api})", flush=True)
         uvicorn.run(server, host=args.host, port=args.port, log_level="warning")
     finally:
-        load.stop()
-        feed.close()
-        client.close()
+        if load is not None:
+            load.stop()
+            feed.close()
+        backend.close()
+        if client is not None:
+            client.close()
 
 
 if __name__ == "__main__":

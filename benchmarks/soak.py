@@ -57,6 +57,7 @@ def serve(args: argparse.Namespace) -> None:
     from app import build_app, build_server
     from engine import EngineClient, LLMEngine
     from storage import Store
+    from ui import backends
     from ui.panel.feed import PanelFeed
     from ui.panel.load_generator import LoadGenerator
     from ui.sessions import Sessions
@@ -64,7 +65,8 @@ def serve(args: argparse.Namespace) -> None:
     client = EngineClient(LLMEngine(args.model, num_gpu_blocks=args.gpu_blocks, num_cpu_blocks=args.cpu_blocks),
                           max_waiting=args.max_waiting)
     feed, load, sessions = PanelFeed(client), LoadGenerator(client), Sessions()
-    demo = build_app(client, Store(args.db), feed, load, host="127.0.0.1", sessions=sessions)
+    backend = backends.in_process(client)
+    demo = build_app(backend, Store(args.db), feed, load, host="127.0.0.1", sessions=sessions)
     server = uvicorn.Server(uvicorn.Config(build_server(demo, client, sessions, "127.0.0.1"), host="127.0.0.1",
                                            port=args.port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
@@ -78,6 +80,7 @@ def serve(args: argparse.Namespace) -> None:
             break
     server.should_exit = True
     feed.close()
+    backend.close()
     client.close()
 
 

@@ -61,6 +61,13 @@ def drop_conversation_model(db: Database) -> None:
     db.execute("alter table conversations drop column model")
 
 
+@migrations()
+def add_message_backend(db: Database) -> None:
+    """Version 3: `messages.backend`, the server that wrote a reply when the app fronts several
+    (its next turn goes back there, where its KV blocks are); NULL for the in-process engine."""
+    db.execute("alter table messages add column backend text")
+
+
 def migrate(db: Database, steps: Migrations = migrations) -> None:
     """Apply pending migrations in one write transaction, so that two processes opening the
     same file at once cannot both apply them."""

@@ -159,7 +159,7 @@ class Store:
                     **metrics) -> dict:
         """Append a message. Metrics: prompt_tokens, cached_tokens, completion_tokens, ttft_s,
         tokens_per_s, finish_reason, stopped (a reply the user stopped: store the text they
-        saw; its finish_reason is "abort")."""
+        saw; its finish_reason is "abort"), backend (the server that wrote it)."""
         row = {"role": validation.role(role), "content": validation.content(content),
                **validation.metrics(metrics)}
         with self.connections.transaction() as db:

@@ -10,6 +10,7 @@ METRICS = {
     "tokens_per_s": float,
     "finish_reason": str,
     "stopped": bool,
+    "backend": str,  # which server wrote the reply, when the app fronts several (None: in-process)
 }
 
 

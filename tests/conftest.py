@@ -68,3 +68,20 @@ def smol_hf():
 def anyio_backend():
     """`@pytest.mark.anyio` tests run on asyncio, the loop Gradio and uvicorn use."""
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def engine_servers(tiny_model_dir, tmp_path_factory):
+    """Two real `python -m engine.serve` processes on the tiny model (tests/engine_servers.py);
+    a test that kills one restarts it before it ends."""
+    from engine_servers import EngineServer
+
+    logs = tmp_path_factory.mktemp("engine-servers")
+    servers = [EngineServer(tiny_model_dir, logs) for _ in range(2)]
+    try:
+        for server in servers:
+            server.start()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()

@@ -18,9 +18,10 @@ def free_port() -> int:
 class Served:
     """A FastAPI app served by uvicorn on a free loopback port, on a thread of this process."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, on_close=()) -> None:
         import uvicorn
 
+        self._on_close = list(on_close)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -35,6 +36,8 @@ class Served:
     def close(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=15)
+        for close in self._on_close:
+            close()
 
 
 class PeakRunning:
@@ -61,16 +64,29 @@ class PeakRunning:
             time.sleep(0.002)
 
 
-def serve(client, store, feed=None, load=None, host: str | None = None, api_key: str | None = None) -> tuple[Served, str]:
+def serve(client, store, feed=None, load=None, host: str | None = None, api_key: str | None = None,
+          backend=None) -> tuple[Served, str]:
     """The whole app (`app.build_app` behind `app.build_server`) on 127.0.0.1, in this process: the
-    server and its URL. `host` is the address the app is told it is bound to (it decides who may
-    run the load generator and whether the API needs a key)."""
+    server and its URL. `client`: an in-process engine (with a panel feed and a load generator,
+    made here unless given); or None and `backend`, remote servers (ui.backends.remote). `host`
+    is the address the app is told it is bound to (it decides who may run the load generator
+    and whether the API needs a key)."""
     from app import build_app, build_server
+    from ui import backends
+    from ui.panel.feed import PanelFeed
+    from ui.panel.load_generator import LoadGenerator
     from ui.sessions import Sessions
 
+    closing = []
+    if client is not None:
+        backend = backends.in_process(client)
+        if feed is None:
+            feed, load = PanelFeed(client), LoadGenerator(client)
+            closing += [load.stop, feed.close]
+    closing.append(backend.close)
     sessions = Sessions()
-    demo = build_app(client, store, feed, load, host=host, sessions=sessions)
-    served = Served(build_server(demo, client, sessions, host or "127.0.0.1", api_key))
+    demo = build_app(backend, store, feed, load, host=host, sessions=sessions)
+    served = Served(build_server(demo, client, sessions, host or "127.0.0.1", api_key), closing)
     return served, served.url
 
 

@@ -15,6 +15,8 @@ import pytest
 from engine import EngineBusyError, EngineClient, LLMEngine, decode_rate
 from engine.outputs import Delta
 from storage import Store
+from ui import backends
+from ui.backends.backend import Reply
 from ui.conversation import (BUSY, MAX_REPLIES_PER_USER, NOT_YOURS, TOO_MANY, UNSAVED_MESSAGE, UNSAVED_REPLY,
                              ChatController, ChatInputError, ChatView, last_user_index, last_user_message)
 from ui.presets import PRESETS
@@ -47,9 +49,16 @@ def store(tmp_path):
         yield store
 
 
+@pytest.fixture(scope="module")
+def backend(client):
+    router = backends.in_process(client)
+    yield router
+    router.close()
+
+
 @pytest.fixture
-def chat(client, store):
-    return ChatController(client, store)
+def chat(backend, store):
+    return ChatController(backend, store)
 
 
 def engine_idle(client: EngineClient, timeout: float = 5.0) -> bool:
@@ -504,16 +513,13 @@ def test_a_reply_the_store_cannot_keep_is_shown_with_an_error_and_nothing_half_w
 
 
 def test_an_engine_error_ends_the_turn(store):
-    class FailingClient:
-        async def asubmit(self, messages, params, request_id, **options):
+    class FailingBackend:
+        async def start(self, messages, params, *, request_id, **options):
             async def deltas():
                 yield Delta(request_id, 0, "", (), finish_reason="error", error="RuntimeError: boom")
-            return deltas()
+            return Reply(deltas())
 
-        def abort(self, request_id):
-            pass
-
-    chat, user = ChatController(FailingClient(), store), new_user()
+    chat, user = ChatController(FailingBackend(), store), new_user()
     views = collect(chat.send(user, None, "Fail me", SYSTEM, greedy()))
     conversation_id = views[-1].conversation_id
     assert "boom" in views[-1].messages[-1]["content"] and not chat.replying(user, conversation_id)
@@ -522,14 +528,11 @@ def test_an_engine_error_ends_the_turn(store):
 
 
 def test_a_busy_engine_refuses_the_turn_and_stores_nothing(store):
-    class BusyClient:
-        async def asubmit(self, messages, params, request_id, **options):
+    class BusyBackend:
+        async def start(self, messages, params, *, request_id, **options):
             raise EngineBusyError("the engine is busy: 256 requests are waiting (limit 256)")
 
-        def abort(self, request_id):
-            pass
-
-    chat, user = ChatController(BusyClient(), store), new_user()
+    chat, user = ChatController(BusyBackend(), store), new_user()
     views = collect(chat.send(user, None, "Anyone there?", SYSTEM, greedy()))
     assert len(views) == 1 and views[0].refused and views[0].conversation_id is None
     assert "busy" in views[0].messages[-1]["content"] and "nothing was sent" in views[0].messages[-1]["content"]

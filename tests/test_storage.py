@@ -307,12 +307,12 @@ def test_an_empty_database_is_upgraded_and_reopening_changes_nothing(tmp_path):
     with Database(path) as db:
         assert storage.schema_version(db) == 0
     with Store(path) as s:
-        assert storage.schema_version(s.db) == 2
+        assert storage.schema_version(s.db) == 3
         c = s.create_conversation("ada", title="kept")
         s.add_message("ada", c["id"], "user", "still here")
     with Store(path) as s:
-        assert storage.schema_version(s.db) == 2
-        assert s.db.execute("select count(*) from _sqlite_migrations").fetchone()[0] == 2
+        assert storage.schema_version(s.db) == 3
+        assert s.db.execute("select count(*) from _sqlite_migrations").fetchone()[0] == 3
         assert [m["content"] for m in s.messages("ada", c["id"])] == ["still here"]
         assert [x["title"] for x in s.search("ada", "still")] == ["kept"]
 
@@ -324,6 +324,7 @@ def test_a_later_migration_upgrades_an_existing_database(tmp_path):
     later = Migrations(storage.migrations.name)
     later()(storage.schema.create_tables)
     later()(storage.schema.drop_conversation_model)
+    later()(storage.schema.add_message_backend)
 
     @later()
     def add_pinned(db):
@@ -332,7 +333,7 @@ def test_a_later_migration_upgrades_an_existing_database(tmp_path):
     db = storage.connect(path)
     storage.migrate(db, later)
     storage.migrate(db, later)  # idempotent
-    assert storage.schema_version(db, later) == 3
+    assert storage.schema_version(db, later) == 4
     db.close()
     with Store(path) as s:
         assert s.conversation("ada", c["id"])["pinned"] == 0
@@ -357,10 +358,10 @@ def test_a_version_1_database_loses_the_model_column_and_keeps_every_row(tmp_pat
     db.close()
 
     with Store(path) as s:
-        assert storage.schema_version(s.db) == 2
+        assert storage.schema_version(s.db) == 3
         assert "model" not in s.db["conversations"].columns_dict
         assert list(s.db["users"].rows) == before["users"]
-        assert list(s.db["messages"].rows) == before["messages"]
+        assert list(s.db["messages"].rows) == [{**m, "backend": None} for m in before["messages"]]  # version 3
         [old] = before["conversations"]
         del old["model"]
         assert s.conversations("ada") == [old]
@@ -369,6 +370,18 @@ def test_a_version_1_database_loses_the_model_column_and_keeps_every_row(tmp_pat
         s.add_message("ada", 7, "assistant", "And freed on finish.")
         s.delete_conversation("ada", 7)                                  # the cascade survives
         assert s.db["messages"].count == 0
+
+
+def test_replies_keep_the_backend_that_wrote_them(tmp_path):
+    with Store(tmp_path / "chat.db") as s:
+        c = s.create_conversation("ada", title="routed")
+        s.add_message("ada", c["id"], "user", "Hi")
+        s.add_message("ada", c["id"], "assistant", "Hello", backend="10.0.0.5:8000", finish_reason="stop")
+        assert s.messages("ada", c["id"])[-1]["backend"] == "10.0.0.5:8000"
+        s.replace_last_assistant("ada", c["id"], "Hello again", backend="10.0.0.6:8000")
+        assert s.messages("ada", c["id"])[-1]["backend"] == "10.0.0.6:8000"
+        with pytest.raises(ValueError, match="backend must be str"):
+            s.add_message("ada", c["id"], "assistant", "x", backend=5)
 
 
 def test_a_closed_store_refuses_work(tmp_path):

@@ -14,7 +14,7 @@ from contextlib import aclosing, contextmanager
 
 import gradio as gr
 
-from engine import EngineClient
+from ui.backends.backend import ChatBackend
 from storage import Store
 from ui import identity, params, presets
 from ui.conversation import ChatController, ChatInputError, ChatView, ReplyViews, checked_id
@@ -59,10 +59,11 @@ def chat_and_id(view: ChatView) -> tuple:
     return view.messages, view.conversation_id
 
 
-def build_chat(client: EngineClient, store: Store, sessions: Sessions | None = None) -> gr.Blocks:
-    """The chat page around one engine client and one store. With `sessions` (watched by the
-    server's middleware), a reply whose browser disconnects is cancelled at once."""
-    chat = ChatController(client, store)
+def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = None) -> gr.Blocks:
+    """The chat page around one backend (whatever writes the replies) and one store. With
+    `sessions` (watched by the server's middleware), a reply whose browser disconnects is
+    cancelled at once."""
+    chat = ChatController(backend, store)
 
     def gone(request: gr.Request | None) -> asyncio.Event | None:
         session = request.session_hash if request is not None else None

@@ -21,9 +21,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from typing import NamedTuple
 
-from engine import EngineBusyError, EngineClient, SamplingParams
+from engine import EngineBusyError, SamplingParams
 from storage import NotFound, Store
 from ui import params, presets, render
+from ui.backends.backend import BackendError, ChatBackend
 from ui.stream import ReplyStream, start_reply
 
 log = logging.getLogger(__name__)
@@ -202,10 +203,11 @@ class ReplyViews(AsyncIterator[ChatView]):
 
 
 class ChatController:
-    """The chat page's logic around one engine client and one store, shared by all sessions."""
+    """The chat page's logic around one backend (whatever writes the replies) and one store,
+    shared by all sessions."""
 
-    def __init__(self, client: EngineClient, store: Store) -> None:
-        self.client = client
+    def __init__(self, backend: ChatBackend, store: Store) -> None:
+        self.backend = backend
         self.store = store
         # One reply at a time per conversation. Stop closes a reply's generator, which then stores
         # the partial reply on the thread that ran it; `after_stop` waits for its turn to end.
@@ -359,12 +361,17 @@ class ChatController:
         try:
             shown = render.chat_messages(rows)
             try:
-                reply = await start_reply(self.client, prompt_of(system_prompt, rows), sampling, conversation_id, user)
+                reply = await start_reply(self.backend, prompt_of(system_prompt, rows), sampling, conversation_id,
+                                          user, previous_backend(rows))
             except ValueError as error:
                 yield ChatView(shown + [render.error_message(refusal(error))], conversation_id, refused=True)
                 return
             except EngineBusyError:
                 yield ChatView(shown + [render.error_message(BUSY_ENGINE)], conversation_id, refused=True)
+                return
+            except BackendError as error:
+                yield ChatView(shown + [render.error_message(f"{error}. Nothing was sent; try again in a moment.")],
+                               conversation_id, refused=True)
                 return
             try:  # the request is aborted however this generator ends, even before streaming
                 if before is not None:
@@ -458,6 +465,11 @@ def last_user_index(rows: list[dict]) -> int | None:
 def last_user_message(rows: list[dict]) -> str:
     index = last_user_index(rows)
     return rows[index]["content"] if index is not None else ""
+
+
+def previous_backend(rows: list[dict]) -> str | None:
+    """The backend that wrote the conversation's latest reply, if a remote one did."""
+    return next((m.get("backend") for m in reversed(rows) if m["role"] == "assistant"), None)
 
 
 def prompt_of(system_prompt: str, rows: list[dict]) -> list[dict]:

@@ -16,18 +16,24 @@ def as_text_markdown(text: str) -> str:
 
 
 def metrics_line(message: dict) -> str:
-    """'TTFT 0.12 s · 41.0 tok/s · 96 of 120 prompt tokens cached', from a reply's metrics."""
+    """'TTFT 0.12 s · 41.0 tok/s · 96 of 120 prompt tokens cached · by gpu1:8000', from a reply's
+    metrics (the backend named when a remote one wrote it)."""
     bits = []
     if message.get("ttft_s") is not None:
         bits.append(f"TTFT {message['ttft_s']:.2f} s")
     if message.get("tokens_per_s") is not None:
         bits.append(f"{message['tokens_per_s']:.1f} tok/s")
     if message.get("prompt_tokens") is not None:
-        bits.append(f"{message.get('cached_tokens') or 0} of {message['prompt_tokens']} prompt tokens cached")
+        if message.get("cached_tokens") is None:  # a server that does not report its cache hits
+            bits.append(f"{message['prompt_tokens']} prompt tokens")
+        else:
+            bits.append(f"{message['cached_tokens']} of {message['prompt_tokens']} prompt tokens cached")
     if message.get("stopped"):
         bits.append("stopped")
     elif message.get("finish_reason") == "length":
         bits.append("cut at max tokens")
+    if message.get("backend"):
+        bits.append(f"by {message['backend']}")
     return " · ".join(bits)
 
 

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
-from engine import Delta, EngineClient, SamplingParams, Usage, decode_rate
+from engine import SamplingParams, Usage, decode_rate
 from ui import presets
+from ui.backends.backend import ChatBackend, Deltas
 
 
 class ReplyStream:
@@ -15,11 +16,12 @@ class ReplyStream:
     cancelling the task that iterates.
 
     Created by `start_reply`, which submits at once: a prompt the engine refuses (too long for
-    the KV cache, empty) raises ValueError there, before anything is shown or stored."""
+    the KV cache, empty) raises ValueError there, before anything is shown or stored.
+    `backend`: the remote backend that writes it (None: the in-process engine)."""
 
-    def __init__(self, deltas: AsyncIterator[Delta], abort: Callable[[], None] | None = None) -> None:
+    def __init__(self, deltas: Deltas, backend: str | None = None) -> None:
         self._deltas = deltas
-        self._abort = abort
+        self.backend = backend
         self.text = ""
         self.num_tokens = 0
         self.finish_reason: str | None = None
@@ -30,18 +32,17 @@ class ReplyStream:
 
     async def __aiter__(self) -> AsyncIterator[ReplyStream]:
         async for delta in self._deltas:
-            if delta.token_ids and self._first_token_at is None:
+            if (delta.token_ids or delta.text) and self._first_token_at is None:
                 self._first_token_at = time.perf_counter()
             self.text += delta.text
-            self.num_tokens += len(delta.token_ids)
+            # A remote server streams text, not token ids: about one token per chunk.
+            self.num_tokens += len(delta.token_ids) or bool(delta.text)
             if delta.finish_reason is not None:
                 self.finish_reason, self.usage, self.error = delta.finish_reason, delta.usage, delta.error
             yield self
 
     async def aclose(self) -> None:
-        await self._deltas.aclose()  # EngineClient aborts a request whose iterator closes early...
-        if self.finish_reason is None and self._abort is not None:
-            self._abort()  # ...but not one never iterated: closing an unstarted generator runs nothing
+        await self._deltas.aclose()  # ends the request at its backend, iterated or not
 
     def metrics(self) -> dict:
         """The Store's message metrics: the engine's usage when it finished the reply, our own
@@ -51,23 +52,25 @@ class ReplyStream:
             per_s = usage.decode_tokens_per_s
             return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
                     "completion_tokens": usage.completion_tokens, "ttft_s": usage.ttft_s,
-                    "tokens_per_s": per_s, "finish_reason": self.finish_reason}
+                    "tokens_per_s": per_s, "finish_reason": self.finish_reason, "backend": self.backend}
         ttft = per_s = None
         if self._first_token_at is not None:
             ttft = self._first_token_at - self._started
             per_s = decode_rate(self.num_tokens, time.perf_counter() - self._first_token_at)
         return {"completion_tokens": self.num_tokens, "ttft_s": ttft, "tokens_per_s": per_s,
-                "finish_reason": self.finish_reason}
+                "finish_reason": self.finish_reason, "backend": self.backend}
 
 
-async def start_reply(client: EngineClient, messages: list[dict], params: SamplingParams,
-                      conversation_id: int | None = None, user: str | None = None) -> ReplyStream:
+async def start_reply(backend: ChatBackend, messages: list[dict], params: SamplingParams,
+                      conversation_id: int | None = None, user: str | None = None,
+                      previous: str | None = None) -> ReplyStream:
     """Submit a conversation. The request id starts with the conversation (`chat12/…`, or
     `chat-new-…` before the first reply creates it): the live panel tints blocks by it.
     With `user`, the prefix cache keeps everything after a preset system prompt to that user:
-    another user sending the same text hits only the preset's blocks."""
+    another user sending the same text hits only the preset's blocks. `previous`: the backend
+    that wrote the conversation's last reply (the router keeps a conversation where its blocks are)."""
     conversation = f"chat{int(conversation_id)}" if conversation_id is not None else f"chat-new-{uuid.uuid4().hex[:6]}"
     request_id = f"{conversation}/{uuid.uuid4().hex[:8]}"
-    deltas = await client.asubmit(messages, params, request_id=request_id, cache_salt=user,
-                                  num_shared_messages=presets.num_shared_messages(messages))
-    return ReplyStream(deltas, lambda: client.abort(request_id))
+    reply = await backend.start(messages, params, request_id=request_id, user=user,
+                                num_shared_messages=presets.num_shared_messages(messages), previous=previous)
+    return ReplyStream(reply.deltas, reply.backend)

@@ -103,7 +103,9 @@ class Completions:
                 self.client.abort(request_id)
 
         try:
-            streams = [await self.client.asubmit(prompt, params, request_id=request_id, cache_salt=body.cache_salt)
+            shared = min(getattr(body, "num_shared_messages", 0), len(prompts[0]) if reply.chat else 0)
+            streams = [await self.client.asubmit(prompt, params, request_id=request_id, cache_salt=body.cache_salt,
+                                                 num_shared_messages=shared)
                        for request_id, prompt in zip(request_ids, prompts)]
         except ValueError as error:  # a prompt the engine refuses: empty, or longer than it can hold
             abort_all()  # the prompts before it were taken

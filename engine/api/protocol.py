@@ -84,6 +84,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # PagedChat's extra: with `cache_salt`, the first N messages (a preset system prompt every user
+    # shares) are cached unsalted, so their blocks serve everyone while the rest stays the salt's.
+    num_shared_messages: int = Field(default=0, ge=0)
 
     def chat(self) -> list[dict]:
         """The messages as the chat template takes them ("developer" is OpenAI's newer "system")."""

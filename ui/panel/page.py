@@ -1,17 +1,21 @@
-"""The live engine panel page: figures, plots and the block map refreshed about once a second,
-and the load generator's controls. Everything it shows comes through the engine client's
-snapshots (via the shared PanelFeed); ui/panel/view.py turns them into what is drawn.
+"""The live engine panel page, refreshed about once a second: a row per backend (the cluster
+view, from what each backend's metrics offer) with its block map where it shows one; and, for an
+in-process engine, its figures, plots, block map and the load generator's controls (from the
+shared PanelFeed). ui/panel/view.py and ui/panel/cluster_view.py turn them into what is drawn.
 """
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 
 import gradio as gr
 
 from ui import presets
+from ui.backends.backend import ChatBackend
 from ui.panel import operator
 from ui.panel import view as panel_view
+from ui.panel.cluster_view import CLUSTER_CSS, cluster_html
 from ui.panel.load_generator import LOAD_SYSTEM_PROMPT, MAX_USERS, LoadGenerator
 from ui.panel.feed import PanelFeed
 
@@ -27,25 +31,64 @@ COLORS = {"device used": "#2563eb", "device cached": "#7dd3fc", "host used": "#f
           "out to host": "#f97316", "in from host": "#16a34a", "first token": "#64748b"}
 
 
-def build_panel(feed: PanelFeed, load: LoadGenerator, host: str = "127.0.0.1",
-                env: Mapping[str, str] = os.environ) -> None:
-    """Declare the panel in the current Blocks (or page) context. `host`: the address the app is
-    bound to; with `env` (read at each call), it decides who may run the load generator
-    (ui/panel/operator.py)."""
-    client = feed.client
-    info = client.info()
+CLUSTER_INTERVAL_S = 1.0
 
+
+def build_panel(backend: ChatBackend, feed: PanelFeed | None = None, load: LoadGenerator | None = None,
+                host: str = "127.0.0.1", env: Mapping[str, str] = os.environ) -> None:
+    """Declare the panel in the current Blocks (or page) context: the backends' rows, then the
+    in-process engine's detail when `feed` and `load` watch one. `host`: the address the app is
+    bound to; with `env` (read at each call), it decides who sees owners and hashes and who may
+    run the load generator (ui/panel/operator.py)."""
     def operating(token: str | None, profile: gr.OAuthProfile | None) -> bool:
         return operator.may_operate(host, profile.username if profile is not None else None, token, env)
+
+    gr.HTML(f"<style>{panel_view.PANEL_CSS}{CLUSTER_CSS}</style>", padding=False)  # the styles of the HTML below
+    gr.Markdown("## Engine panel\nThe KV cache as the scheduler moves it, refreshed every second. "
+                "The operator's load generator shows batching, prefix hits, preemption and swapping.")
+    gr.Markdown("### Backends\nOne row per engine writing this app's replies, from what its metrics offer.")
+    cluster = gr.HTML(cluster_html(backend.statuses(), time.time()), elem_id="cluster")
+    names = [status.name for status in backend.statuses()]
+    remote_maps = []
+    if feed is None:  # the engines are elsewhere: each one's map, where it publishes one
+        for i, name in enumerate(names):
+            gr.Markdown(f"### Block map: {name}")
+            remote_maps.append(gr.HTML(elem_id=f"block-map-{i}", elem_classes=["remote-block-map"]))
+
+    def on_cluster_tick(token: str | None = None, profile: gr.OAuthProfile | None = None):
+        statuses = backend.statuses()
+        maps = []
+        for status in statuses[:len(remote_maps)]:
+            found = backend.block_map(status.name) if status.up else None
+            maps.append(panel_view.block_map_html(*found, show_private=operating(token, profile)) if found
+                        else panel_view.no_block_map_html(status.name, None if status.up else status.problem))
+        return cluster_html(statuses, time.time()), *maps
+
+    def on_open(profile: gr.OAuthProfile | None = None):
+        """The token box for whoever is not the operator yet, if a token is set."""
+        return gr.Textbox(visible=not operating(None, profile) and bool(env.get(operator.TOKEN_ENV)))
+
+    token = gr.Textbox(label="Admin token (to see owners and run the load generator)", type="password",
+                       visible=False, elem_id="admin-token")
+    gr.on(None, on_open, None, [token], api_visibility="private")  # on page load
+    gr.Timer(CLUSTER_INTERVAL_S).tick(on_cluster_tick, [token], [cluster, *remote_maps], show_progress="hidden",
+                                      api_visibility="private")
+    if feed is not None and load is not None:
+        _engine_detail(feed, load, token, operating, env)
+
+
+def _engine_detail(feed: PanelFeed, load: LoadGenerator, token: gr.Textbox, operating, env: Mapping[str, str]) -> None:
+    """The in-process engine's figures, plots, block map and load generator."""
+    client = feed.client
+    info = client.info()
 
     def checked_operator(token: str | None, profile: gr.OAuthProfile | None) -> None:
         if not operating(token, profile):
             raise gr.Error(operator.REFUSAL)
 
     def on_open(profile: gr.OAuthProfile | None = None):
-        """The controls for the operator; for anyone else, the token box if a token is set."""
-        allowed = operating(None, profile)
-        return gr.Row(visible=allowed), gr.Textbox(visible=not allowed and bool(env.get(operator.TOKEN_ENV)))
+        """The load generator's controls, for the operator only."""
+        return gr.Row(visible=operating(None, profile))
 
     def on_token(token: str, profile: gr.OAuthProfile | None = None):
         allowed = operating(token, profile)
@@ -82,13 +125,9 @@ def build_panel(feed: PanelFeed, load: LoadGenerator, host: str = "127.0.0.1",
         load.stop()
         return panel_view.load_status_html(load.status())
 
-    gr.HTML(f"<style>{panel_view.PANEL_CSS}</style>", padding=False)  # the styles of the HTML below
-    gr.Markdown("## Engine panel\nThe KV cache as the scheduler moves it, refreshed every second. "
-                "The operator's load generator shows batching, prefix hits, preemption and swapping.")
+    gr.Markdown("### The in-process engine")
     header = gr.HTML(panel_view.header_html(feed.history(), info, client.recent_first_tokens()),
                      elem_id="panel-header")
-    token = gr.Textbox(label="Admin token (to run the load generator)", type="password", visible=False,
-                       elem_id="admin-token")
     with gr.Row(visible=False) as controls:  # shown to the operator only (on_open)
         users = gr.Slider(1, MAX_USERS, value=DEFAULT_USERS, step=1, label="Synthetic users", scale=2)
         prompt = gr.Dropdown(list(LOAD_PROMPTS), value=next(iter(LOAD_PROMPTS)), label="Their shared system prompt",
@@ -118,7 +157,7 @@ def build_panel(feed: PanelFeed, load: LoadGenerator, host: str = "127.0.0.1",
     timer = gr.Timer(feed.interval_s)
     timer.tick(on_tick, [freeze, shown_map, token], [header, *plots, block_map, load_status, shown_map],
                show_progress="hidden", api_visibility="private")
-    gr.on(None, on_open, None, [controls, token], api_visibility="private")  # on page load
+    gr.on(None, on_open, None, [controls], api_visibility="private")  # on page load
     token.submit(on_token, [token], [controls], api_visibility="private")
     start.click(on_start, [users, prompt, max_tokens, token], [load_status], api_name="start_load")
     stop.click(on_stop, [token], [load_status], api_name="stop_load")

@@ -141,6 +141,16 @@ def _pool_html(name: str, label: str, blocks, block_size: int, max_cells: int, s
             f"{block_grid.render_html(cells, columns, size)}</div>")
 
 
+def no_block_map_html(name: str, down: str | None = None) -> str:
+    """Where a backend has no map to show: it is down (`down` says why), or it is not a PagedChat
+    server (only those publish theirs, at /v1/kv_cache)."""
+    if down is not None:
+        return f"<div class='kv-map kv-none'>{html.escape(name)} is down: {html.escape(down)}</div>"
+    return (f"<div class='kv-map kv-none'>{html.escape(name)} publishes no block map: only PagedChat servers "
+            "serve one (<code>GET /v1/kv_cache</code>); vLLM, SGLang and llama.cpp export pool usage alone, "
+            "drawn in its row above.</div>")
+
+
 def block_map_html(block_map: BlockMap, info: EngineInfo, max_cells: int = 2048, *, show_private: bool = False) -> str:
     """The legend and both pools as grids of cells; hovering a cell names its block, and with
     `show_private` (the operator's view only) its owners and hash (see ui/panel/block_grid.py)."""

@@ -1,0 +1,167 @@
+"""The app in front of two real `python -m engine.serve` processes (tiny model), driven by
+gradio_client users over HTTP: routing (a conversation sticks to its backend, a known system
+prompt goes where it is cached), a backend killed mid-reply and brought back."""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+from gradio_client import Client
+from served_app import serve
+
+from storage import Store
+from ui import backends
+
+GREEDY = (0.0, 1.0)  # temperature, top_p
+
+
+def new_user() -> str:
+    return f"anon:{uuid.uuid4().hex}"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    with Store(tmp_path_factory.mktemp("cluster") / "chat.db") as store:
+        yield store
+
+
+@pytest.fixture(scope="module")
+def app(engine_servers, store):
+    router = backends.remote([s.url for s in engine_servers], interval_s=0.25)
+    server, url = serve(None, store, backend=router)
+    try:
+        yield router, url
+    finally:
+        server.close()
+
+
+def send(url: str, user: str, text: str, preset: str = "None", conversation_id: int | None = None,
+         max_tokens: int = 16, session: Client | None = None) -> tuple[list[dict], int]:
+    session = session or Client(url, verbose=False)
+    chat, conversation_id, _ = session.predict(user, conversation_id, text, preset, "", *GREEDY, max_tokens,
+                                               api_name="/send")
+    return chat, conversation_id
+
+
+def at_once(url: str, users: list[str], text: str, max_tokens: int) -> dict[str, tuple]:
+    """Each user sends `text` from a browser session of their own, all at the same moment."""
+    sessions = [Client(url, verbose=False) for _ in users]
+    jobs = [session.submit(user, None, text, "None", "", *GREEDY, max_tokens, api_name="/send")
+            for user, session in zip(users, sessions)]
+    return {user: tuple(job.result(timeout=120)[:2]) for user, job in zip(users, jobs)}
+
+
+def shown_text(chat: list[dict]) -> str:
+    content = chat[-1]["content"]
+    return content if isinstance(content, str) else " ".join(part.get("text", "") for part in content)
+
+
+def replies(store: Store, user: str, conversation_id: int) -> list[dict]:
+    return [m for m in store.messages(user, conversation_id) if m["role"] == "assistant"]
+
+
+def wait_until(test, timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not test():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or test}")
+        time.sleep(0.05)
+
+
+def idle(engine_servers) -> bool:
+    return all(s.running_requests() == 0 for s in engine_servers)
+
+
+def test_the_router_sees_both_backends_and_their_model(app, engine_servers):
+    router, _ = app
+    statuses = router.statuses()
+    assert [s.name for s in statuses] == [s.name for s in engine_servers]
+    assert all(s.up and s.model == "tiny" and s.max_model_len and s.flavor == "pagedchat" for s in statuses)
+
+
+def test_users_chat_on_both_backends_and_turn_two_stays_where_turn_one_was(app, engine_servers, store):
+    router, url = app
+    users = [new_user() for _ in range(6)]
+    results = at_once(url, users, "Tell me about paged attention.", max_tokens=200)
+    first_backends = {user: replies(store, user, results[user][1])[0]["backend"] for user in users}
+    assert set(first_backends.values()) == {s.name for s in engine_servers}, first_backends
+
+    for user in users[:3]:  # turn 2: same backend, its prompt mostly from that backend's cache
+        chat_view, conversation_id = send(url, user, "And then?", conversation_id=results[user][1])
+        first, second = replies(store, user, conversation_id)
+        assert second["backend"] == first["backend"]
+        assert second["cached_tokens"] > 0 and second["prompt_tokens"] > second["cached_tokens"]
+        assert f"by {first['backend']}" in shown_text(chat_view)  # the page says who wrote the reply
+    wait_until(lambda: idle(engine_servers), what="both backends idle")
+
+
+def test_a_known_system_prompt_goes_to_the_backend_that_cached_it(app, engine_servers, store):
+    router, url = app
+    first_choice = router.order()[0]
+    # Keep the first choice busy, so that a new preset lands on the other backend and is cached there.
+    busy = threading.Thread(target=send, args=(url, new_user(), "A long story, please.", "None"),
+                            kwargs={"max_tokens": 400})
+    busy.start()
+    wait_until(lambda: router.order()[0] != first_choice, what="the busy backend to show its load")
+    user = new_user()
+    _, conversation_id = send(url, user, "Review this: x = 1", "Code reviewer")
+    owner = replies(store, user, conversation_id)[0]["backend"]
+    assert owner != first_choice
+    busy.join(timeout=120)
+    wait_until(lambda: idle(engine_servers), what="both backends idle")
+    wait_until(lambda: router.order()[0] == first_choice, what="loads to even out")
+
+    other_user = new_user()  # idle and even: least loaded alone would pick `first_choice`
+    _, conversation_id = send(url, other_user, "Review this: y = 2", "Code reviewer")
+    reply = replies(store, other_user, conversation_id)[0]
+    assert reply["backend"] == owner
+    assert reply["cached_tokens"] >= 16  # the preset's blocks, computed for the first user
+
+
+def test_a_backend_killed_mid_reply_fails_only_its_replies_and_comes_back(app, engine_servers, store):
+    router, url = app
+    victim, survivor = engine_servers
+    users = [new_user() for _ in range(4)]
+    results: dict[str, tuple] = {}
+    chats = threading.Thread(target=lambda: results.update(at_once(url, users, "Write me a very long essay.", 2000)))
+    chats.start()
+    wait_until(lambda: victim.running_requests() > 0 and survivor.running_requests() > 0, 30, "replies on both")
+    victim.kill()
+    chats.join(timeout=120)
+    assert len(results) == len(users)
+
+    failed = [u for u in users if "stopped answering mid-reply" in shown_text(results[u][0])]
+    assert failed, "no reply was on the killed backend"
+    for user in users:
+        chat_view, conversation_id = results[user]
+        rows = store.messages(user, conversation_id)
+        assert rows[0]["role"] == "user" and rows[0]["content"] == "Write me a very long essay."
+        if user in failed:  # what was written before the kill, marked as failed, or nothing
+            assert all(r["finish_reason"] == "error" and r["backend"] == victim.name for r in rows[1:])
+            assert victim.name in shown_text(chat_view)
+        else:
+            assert [r["backend"] for r in rows[1:]] == [survivor.name]
+            assert rows[1]["finish_reason"] in ("stop", "length")
+    assert not router.monitor.is_up(victim.name)
+
+    # A new chat, and a failed one regenerated, go to the survivor.
+    user = new_user()
+    _, conversation_id = send(url, user, "Hello?")
+    assert replies(store, user, conversation_id)[0]["backend"] == survivor.name
+    session = Client(url, verbose=False)
+    user, conversation_id = failed[0], results[failed[0]][1]
+    session.predict(user, conversation_id, *GREEDY, 16, api_name="/regenerate")
+    assert [r["backend"] for r in replies(store, user, conversation_id)] == [survivor.name]
+
+    victim.start()  # back on its port: the monitor puts it back and routing uses it again
+    wait_until(lambda: router.monitor.is_up(victim.name), 30, "the restarted backend to be seen")
+    wait_until(lambda: idle(engine_servers), what="both backends idle")
+    wait_until(lambda: router.order()[0] == victim.name or router.order()[1] == victim.name, 5)
+    users = [new_user() for _ in range(4)]
+    served = set()
+    for user in users:
+        _, conversation_id = send(url, user, f"Welcome back {user[-4:]}", max_tokens=8)
+        served.add(replies(store, user, conversation_id)[0]["backend"])
+    assert victim.name in served

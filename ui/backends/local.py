@@ -1,0 +1,52 @@
+"""The in-process engine as a router endpoint: replies through its EngineClient, and its state
+in the same terms as a remote server's /metrics."""
+from __future__ import annotations
+
+import time
+
+from engine import BlockMap, Delta, EngineClient, EngineInfo, SamplingParams
+from ui.backends.backend import Deltas, Probe
+from ui.backends.figures import MetricsSnapshot
+
+LOCAL_NAME = "in-process"
+
+
+class LocalEndpoint:
+    url = None
+
+    def __init__(self, client: EngineClient, name: str = LOCAL_NAME) -> None:
+        self.client = client
+        self.name = name
+        # Counted on the engine loop thread, read by the monitor: floats, so a torn read cannot happen.
+        self._generation_tokens = 0.0
+        self._ttft_sum = 0.0
+        self._ttft_count = 0.0
+        client.add_listener(self._on_delta)
+
+    async def start(self, messages: list[dict], params: SamplingParams, *, request_id: str,
+                    user: str | None, num_shared_messages: int) -> Deltas:
+        return await self.client.asubmit(messages, params, request_id=request_id, cache_salt=user,
+                                         num_shared_messages=num_shared_messages)
+
+    def probe(self) -> Probe:
+        info = self.client.info()
+        if self.client.closed:
+            return Probe(up=False, problem="the engine loop has stopped", model=info.model)
+        stats = self.client.stats()
+        metrics = MetricsSnapshot(
+            timestamp=time.time(), flavor="pagedchat",
+            kv_usage=stats.device_blocks_used / max(stats.device_blocks_total, 1),
+            running=stats.num_running, waiting=stats.num_waiting, swapped=stats.num_swapped,
+            prefix_queries=stats.prefix_cache_queries, prefix_hits=stats.prefix_cache_hits,
+            preemptions=stats.num_preemptions_swap + stats.num_preemptions_recompute,
+            generation_tokens=self._generation_tokens, ttft_sum=self._ttft_sum, ttft_count=self._ttft_count)
+        return Probe(up=True, model=info.model, max_model_len=info.max_model_len, metrics=metrics)
+
+    def block_map(self) -> tuple[BlockMap, EngineInfo] | None:
+        return self.client.block_map(), self.client.info()
+
+    def _on_delta(self, delta: Delta, now: float) -> None:
+        self._generation_tokens += len(delta.token_ids)
+        if delta.usage is not None and delta.index == 0 and delta.usage.completion_tokens:
+            self._ttft_sum += delta.usage.ttft_s
+            self._ttft_count += 1
