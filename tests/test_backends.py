@@ -3,6 +3,7 @@ gradio_client users over HTTP: routing (a conversation sticks to its backend, a 
 prompt goes where it is cached), a backend killed mid-reply and brought back."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -11,8 +12,10 @@ import pytest
 from gradio_client import Client
 from served_app import serve
 
+from engine import SamplingParams
 from storage import Store
 from ui import backends
+from ui.stream import start_reply
 
 GREEDY = (0.0, 1.0)  # temperature, top_p
 
@@ -165,3 +168,25 @@ def test_a_backend_killed_mid_reply_fails_only_its_replies_and_comes_back(app, e
         _, conversation_id = send(url, user, f"Welcome back {user[-4:]}", max_tokens=8)
         served.add(replies(store, user, conversation_id)[0]["backend"])
     assert victim.name in served
+
+
+@pytest.mark.anyio
+async def test_closing_a_remote_reply_aborts_it_at_its_server(app, engine_servers):
+    router, _ = app
+    reply = await start_reply(router, [{"role": "user", "content": "A long story."}],
+                              SamplingParams(temperature=0.0, max_tokens=2000), user=new_user())
+    async for shown in reply:
+        if shown.num_tokens >= 5:
+            break
+    assert reply.backend in {s.name for s in engine_servers}
+    await reply.aclose()  # what Stop does
+    await asyncio.to_thread(wait_until, lambda: idle(engine_servers), 1.0, "the server to abort the request")
+    assert all(status.in_flight == 0 for status in router.statuses())
+
+
+@pytest.mark.anyio
+async def test_a_prompt_too_long_for_the_backend_is_refused_with_its_reason(app):
+    router, _ = app
+    with pytest.raises(ValueError, match="more than max_model_len=1024"):
+        await start_reply(router, [{"role": "user", "content": "word " * 3000}], SamplingParams(max_tokens=8))
+    assert all(status.in_flight == 0 for status in router.statuses())

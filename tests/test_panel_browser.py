@@ -103,7 +103,7 @@ def test_a_visitor_sees_no_load_controls_until_giving_the_admin_token(browser, t
                           interval_s=0.5) as (client, load, url):
         profile = Browser(browser, url)
         page = profile.open("panel")
-        token = page.get_by_label("Admin token (to run the load generator)")
+        token = page.get_by_label("Admin token")
         expect(token).to_be_visible()
         expect(page.locator("#load-status")).to_contain_text("not started")
         expect(page.locator("#load-start")).to_be_hidden()

@@ -44,8 +44,11 @@ def build_panel(backend: ChatBackend, feed: PanelFeed | None = None, load: LoadG
         return operator.may_operate(host, profile.username if profile is not None else None, token, env)
 
     gr.HTML(f"<style>{panel_view.PANEL_CSS}{CLUSTER_CSS}</style>", padding=False)  # the styles of the HTML below
-    gr.Markdown("## Engine panel\nThe KV cache as the scheduler moves it, refreshed every second. "
-                "The operator's load generator shows batching, prefix hits, preemption and swapping.")
+    intro = ("The KV cache as the scheduler moves it, refreshed every second. The operator's load generator "
+             "shows batching, prefix hits, preemption and swapping." if feed is not None else
+             "The serving engines this app chats through, refreshed every second: each one's figures from its "
+             "own metrics, and its KV blocks where it publishes them.")
+    gr.Markdown(f"## Engine panel\n{intro}")
     gr.Markdown("### Backends\nOne row per engine writing this app's replies, from what its metrics offer.")
     cluster = gr.HTML(cluster_html(backend.statuses(), time.time()), elem_id="cluster")
     names = [status.name for status in backend.statuses()]
