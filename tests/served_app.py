@@ -40,6 +40,17 @@ class Served:
             close()
 
 
+def engine_idle(client, timeout: float = 5.0) -> bool:
+    """Whether `client`'s engine has no request left (running, waiting or swapped) within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = client.stats()
+        if stats.num_running + stats.num_waiting + stats.num_swapped == 0:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 class PeakRunning:
     """Context manager: the most requests `client`'s engine ran at once while it was open
     (sampled every 2 ms)."""

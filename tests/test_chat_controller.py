@@ -11,6 +11,7 @@ import time
 import uuid
 
 import pytest
+from served_app import engine_idle
 
 from engine import EngineBusyError, EngineClient, LLMEngine, decode_rate
 from engine.outputs import Delta
@@ -59,16 +60,6 @@ def backend(client):
 @pytest.fixture
 def chat(backend, store):
     return ChatController(backend, store)
-
-
-def engine_idle(client: EngineClient, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = client.stats()
-        if stats.num_running + stats.num_waiting + stats.num_swapped == 0:
-            return True
-        time.sleep(0.02)
-    return False
 
 
 async def views_of(views) -> list[ChatView]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from served_app import Served
+from served_app import Served, engine_idle
 
 from engine import EngineClient, LLMEngine
 from engine.serve import build_server
@@ -190,16 +190,6 @@ SYSTEM = ("You are the test assistant of PagedChat, a small serving engine with 
           "Prefer concrete numbers to adjectives, and say so when you do not know something for certain.")
 
 
-def idle(client: EngineClient, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = client.stats()
-        if stats.num_running + stats.num_waiting + stats.num_swapped == 0:
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def test_our_own_server_reads_as_pagedchat(tiny_model_dir):
     client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=128, num_cpu_blocks=32))
     served = Served(build_server(client, "tiny"))
@@ -213,7 +203,7 @@ def test_our_own_server_reads_as_pagedchat(tiny_model_dir):
                 "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]})
             assert reply.status_code == 200, reply.text
             generated += reply.json()["usage"]["completion_tokens"]
-        assert idle(client, 10.0)
+        assert engine_idle(client, 10.0)
         after = read_metrics(httpx.get(f"{url}/metrics").text, time.monotonic())
     finally:
         served.close()
