@@ -32,13 +32,14 @@ class MetricsSnapshot:
 
 @dataclass(frozen=True)
 class Figures:
-    """What a row draws at one moment, from two scrapes (rates over the time between them)."""
+    """What a row draws at one moment, from two scrapes (rates over the time between them: the
+    monitor takes them a few seconds apart, ui/backends/monitor.py WINDOW_S)."""
     timestamp: float
     kv_usage: float | None = None      # 0..1
     running: float | None = None
     waiting: float | None = None
     hit_rate: float | None = None      # 0..1 of prompt tokens looked up in the interval
-    preemptions: float | None = None   # in the interval
+    preemptions: float | None = None   # in the interval (the last WINDOW_S seconds)
     throughput: float | None = None    # generated tokens/s
     ttft: float | None = None          # mean seconds, of first tokens in the interval
 

@@ -22,11 +22,16 @@ from ui.backends.metrics_reader import figures
 log = logging.getLogger(__name__)
 
 
+# Rates (throughput, hit rate, TTFT, preemptions) are taken over this many seconds of scrapes:
+# over one second, a step longer than the interval reads as zero throughput.
+WINDOW_S = 5.0
+
+
 class _Watched:
-    def __init__(self, endpoint: Endpoint, capacity: int) -> None:
+    def __init__(self, endpoint: Endpoint, capacity: int, window: int) -> None:
         self.endpoint = endpoint
         self.probe = Probe(up=False, problem="not looked at yet")
-        self.last: MetricsSnapshot | None = None
+        self.recent: deque[MetricsSnapshot] = deque(maxlen=window + 1)  # the window's scrapes, newest last
         self.history: deque[Figures] = deque(maxlen=capacity)
         self.in_flight = 0
         self.map: tuple[BlockMap, EngineInfo] | None = None
@@ -41,7 +46,8 @@ class Monitor:
         if len(set(names)) != len(names):
             raise ValueError(f"two backends have the same name: {names}")
         self.interval_s = interval_s
-        self._watched = {e.name: _Watched(e, capacity) for e in endpoints}
+        window = max(1, round(WINDOW_S / interval_s))
+        self._watched = {e.name: _Watched(e, capacity, window) for e in endpoints}
         for endpoint in endpoints:  # a request that finds its server gone reports it here at once
             if getattr(endpoint, "on_unreachable", False) is None:
                 endpoint.on_unreachable = self.mark_down
@@ -92,8 +98,8 @@ class Monitor:
                 log.warning("backend %s is down: %s", name, probe.problem)
             watched.probe = probe
             if probe.metrics is not None:
-                watched.history.append(figures(watched.last, probe.metrics))
-                watched.last = probe.metrics
+                watched.history.append(figures(watched.recent[0] if watched.recent else None, probe.metrics))
+                watched.recent.append(probe.metrics)
 
     def mark_down(self, name: str, why: str) -> None:
         """A request found the backend unreachable: out of routing until a look finds it back."""
@@ -120,7 +126,7 @@ class Monitor:
         this app has on it if more (they count before its next scrape shows them)."""
         with self._lock:
             watched = self._watched[name]
-            last = watched.last
+            last = watched.recent[-1] if watched.recent else None
             queued = (last.running or 0) + (last.waiting or 0) if last is not None else 0
             return max(queued, watched.in_flight), (last.kv_usage or 0.0) if last is not None else 0.0
 
@@ -130,11 +136,12 @@ class Monitor:
 
     def _status(self, watched: _Watched) -> BackendStatus:
         endpoint, probe = watched.endpoint, watched.probe
-        missing = dict(watched.last.missing) if watched.last is not None else {}
+        last = watched.recent[-1] if watched.recent else None
         return BackendStatus(name=endpoint.name, url=endpoint.url, up=probe.up, problem=probe.problem,
                              model=probe.model, max_model_len=probe.max_model_len,
-                             flavor=watched.last.flavor if watched.last is not None else "unknown",
-                             in_flight=watched.in_flight, history=tuple(watched.history), missing=missing)
+                             flavor=last.flavor if last is not None else "unknown",
+                             in_flight=watched.in_flight, history=tuple(watched.history),
+                             missing=dict(last.missing) if last is not None else {})
 
     def block_map(self, name: str) -> tuple[BlockMap, EngineInfo] | None:
         """The backend's latest block map, no older than one interval; None where it shows none."""

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ui.backends.monitor import WINDOW_S
 from ui.backends.figures import BackendStatus, Figures
 
 SPAN_S = 120.0              # a sparkline's x axis: the last SPAN_S seconds before `now`
@@ -57,7 +58,7 @@ CHARTS = (
     Chart("kv_usage", "KV cache used", ("kv_usage",), _percent, scale=100.0, y_max=100.0, unit="%"),
     Chart("requests", "running / waiting", ("running", "waiting"), _requests),
     Chart("hit_rate", "prefix-cache hit rate", ("hit_rate",), _percent, scale=100.0, y_max=100.0, unit="%"),
-    Chart("preemptions", "preemptions per sample", ("preemptions",), lambda v: _count(v[0])),
+    Chart("preemptions", f"preemptions (last {WINDOW_S:g} s)", ("preemptions",), lambda v: _count(v[0])),
     Chart("throughput", "generation", ("throughput",), lambda v: f"{v[0]:.1f} tok/s", unit=" tok/s"),
     Chart("ttft", "time to first token", ("ttft",), _seconds, unit=" s"),
 )
