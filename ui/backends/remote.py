@@ -117,8 +117,9 @@ class RemoteEndpoint:
     def _read_models(self, body: dict) -> None:
         first = body["data"][0]
         self.model = first["id"]
-        # vLLM, SGLang and PagedChat say max_model_len; llama-server gives its context in `meta`.
-        length = first.get("max_model_len") or (first.get("meta") or {}).get("n_ctx_train")
+        # vLLM, SGLang and PagedChat say max_model_len; llama-server gives its per-slot context in `meta`.
+        meta = first.get("meta") or {}
+        length = first.get("max_model_len") or meta.get("n_ctx") or meta.get("n_ctx_train")
         self.max_model_len = int(length) if length else None
 
 

@@ -1,10 +1,13 @@
-"""Opt-in: the app in front of a real vLLM server and a PagedChat server together. Runs when
-PAGEDCHAT_VLLM_URL points at a vLLM serving SmolLM2-135M-Instruct, e.g.
+"""Opt-in: the app in front of real peer servers. Each test runs when its variable points at the
+server, serving SmolLM2-135M-Instruct:
 
     bash benchmarks/peers/vllm_cpu.sh setup && bash benchmarks/peers/vllm_cpu.sh serve 8100 &
-    PAGEDCHAT_VLLM_URL=http://127.0.0.1:8100 .venv/bin/python -m pytest tests/test_vllm_backend.py
+    bash benchmarks/peers/llama_cpp.sh    # builds llama-server and the GGUF, then:
+    benchmarks/peers/.build/llama-server -m benchmarks/peers/.build/smollm2-135m-f32.gguf --port 8200 --metrics &
+    PAGEDCHAT_VLLM_URL=http://127.0.0.1:8100 PAGEDCHAT_LLAMACPP_URL=http://127.0.0.1:8200 \
+        .venv/bin/python -m pytest tests/test_peer_backends.py
 
-With PAGEDCHAT_SCREENSHOT=1 the panel is saved as docs/cluster-panel-vllm.png."""
+With PAGEDCHAT_SCREENSHOT=1 the vLLM test saves the panel as docs/cluster-panel-vllm.png."""
 from __future__ import annotations
 
 import os
@@ -14,8 +17,9 @@ import uuid
 import pytest
 
 VLLM_URL = os.environ.get("PAGEDCHAT_VLLM_URL")
-if not VLLM_URL:
-    pytest.skip("set PAGEDCHAT_VLLM_URL to a running vLLM server (benchmarks/peers/vllm_cpu.sh serve)",
+LLAMACPP_URL = os.environ.get("PAGEDCHAT_LLAMACPP_URL")
+if not VLLM_URL and not LLAMACPP_URL:
+    pytest.skip("set PAGEDCHAT_VLLM_URL or PAGEDCHAT_LLAMACPP_URL to a running peer server (see this module)",
                 allow_module_level=True)
 
 from gradio_client import Client  # noqa: E402
@@ -27,6 +31,7 @@ from ui import backends  # noqa: E402
 expect = sync_api.expect
 
 
+@pytest.mark.skipif(not VLLM_URL, reason="set PAGEDCHAT_VLLM_URL (benchmarks/peers/vllm_cpu.sh serve)")
 def test_chats_through_vllm_with_its_metrics_on_the_panel(browser, engine_servers, tmp_path):
     router = backends.remote([VLLM_URL, engine_servers[0].url], interval_s=0.5)
     store = Store(tmp_path / "chat.db")
@@ -80,6 +85,41 @@ def test_chats_through_vllm_with_its_metrics_on_the_panel(browser, engine_server
         target.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(target), full_page=True)
         assert png_size(target)[0] == 1400
+        profile.context.close()
+        assert profile.errors == []
+    finally:
+        server.close()
+        store.close()
+
+
+@pytest.mark.skipif(not LLAMACPP_URL, reason="set PAGEDCHAT_LLAMACPP_URL (llama-server --metrics)")
+def test_chats_through_llama_cpp_and_the_panel_says_what_it_does_not_export(browser, tmp_path):
+    router = backends.remote([LLAMACPP_URL], interval_s=0.5)
+    store = Store(tmp_path / "chat.db")
+    server, url = serve(None, store, backend=router)
+    try:
+        [status] = router.statuses()
+        assert status.up and status.flavor == "llamacpp" and status.max_model_len
+        user, session = f"anon:{uuid.uuid4().hex}", Client(url, verbose=False)
+        _, conversation_id, _ = session.predict(user, None, "What is a KV cache?", "Code reviewer", "", 0.0, 1.0, 40,
+                                                api_name="/send")
+        session.predict(user, conversation_id, "More, please.", "Code reviewer", "", 0.0, 1.0, 16, api_name="/send")
+        first, second = [m for m in store.messages(user, conversation_id) if m["role"] == "assistant"]
+        assert first["content"].strip() and second["cached_tokens"] > 0  # its slot kept the first turn
+
+        time.sleep(2)
+        [status] = router.statuses()
+        print(f"\nllama.cpp: max_model_len {status.max_model_len}; turn 2: {second['cached_tokens']} of "
+              f"{second['prompt_tokens']} prompt tokens cached; missing {dict(status.missing)}")
+        assert {"kv_usage", "preemptions", "ttft"} <= set(status.missing)  # with a reason each
+        assert any(f.throughput for f in status.history) and any(f.hit_rate for f in status.history)
+
+        profile = Browser(browser, url)
+        page = profile.open("panel", viewport={"width": 1400, "height": 900})
+        row = page.locator(f'.cl-row[data-backend="{status.name}"]')
+        expect(row.locator(".cl-flavor")).to_contain_text("llama.cpp")
+        expect(row.locator('.cl-chart.cl-missing[data-chart="kv_usage"]')).to_contain_text("not exported")
+        expect(row.locator('.cl-chart[data-chart="throughput"] polyline')).to_have_count(1)
         profile.context.close()
         assert profile.errors == []
     finally:
