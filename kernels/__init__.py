@@ -31,13 +31,18 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def plan_attention(q_lens: list[int], k_lens: list[int], num_heads: int, kv_heads: int, head_dim: int,
-                   cache: torch.Tensor, num_splits: int | None = None):
-    """The step's attention plan, shared by every layer: the Triton path tiles the batch once
-    here, on the host, instead of reading the lengths back from the device in every layer.
-    `num_splits` fixes flash-decoding's split count (None: from the shape). None for the torch
-    path, which needs none."""
+                   cache: torch.Tensor, num_splits: int | None = None, block_table: torch.Tensor | None = None):
+    """The step's attention plan, shared by every layer, built on the host from the lengths
+    instead of in every layer: the Triton path's tiling (`num_splits` fixes flash-decoding's
+    split count; None: from the shape), or the torch path's rows, gathers and masks (which need
+    the step's `block_table`; without it, None and each call plans for itself)."""
     if backend(cache) != "triton":
-        return None
+        if block_table is None:
+            return None
+        cu_q = [0]
+        for n in q_lens:
+            cu_q.append(cu_q[-1] + n)
+        return reference.plan(cu_q, k_lens, block_table, cache.shape[-3], num_heads, kv_heads, cache.dtype)
     from kernels import triton_attention
     return triton_attention.plan(q_lens, max(k_lens, default=0), num_heads, kv_heads, head_dim, cache.device,
                                  num_splits)
@@ -50,7 +55,7 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, s
         return triton_attention.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table,
                                                 softmax_scale, causal, out, attention_plan=attention_plan)
     return reference.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, softmax_scale,
-                                     causal, out)
+                                     causal, out, attention_plan=attention_plan)
 
 
 def copy_blocks(cache, pairs) -> None:

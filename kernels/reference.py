@@ -8,6 +8,8 @@ copies one region per block); per-layer K and V caches are the strided views
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -28,30 +30,83 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 SHORT_QUERY = 64  # sequences with at most this many queries are batched together
 
 
+@dataclass
+class _LongQuery:
+    """One long prefill chunk: its query rows, the blocks holding its context, and its mask."""
+    rows: slice
+    blocks: torch.Tensor
+    k_len: int
+    mask: torch.Tensor | None
+
+
+@dataclass
+class _ShortQueries:
+    """Decodes and short chunks, padded to the longest (see `_short_query_attention`)."""
+    num_seqs: int
+    max_q: int
+    rows: torch.Tensor       # [num_seqs, max_q] rows of q (padding points at row 0)
+    valid: torch.Tensor      # [num_seqs, max_q] which of them are real
+    out_rows: torch.Tensor   # rows[valid]
+    own: torch.Tensor        # [num_seqs, blocks] each sequence's blocks after the common ones
+    own_len: int             # keys gathered from them (the longest sequence's)
+    bias: torch.Tensor | None  # [num_seqs, 1, max_q * rep, own_len] additive mask (None: every key allowed)
+    in_order: bool           # the queries are q's rows 0..num_seqs-1, one each (a batch of decodes)
+    shared: torch.Tensor | None  # the blocks every sequence shares, read once for all
+    first: int               # keys in the shared blocks
+
+
+@dataclass
+class AttentionPlan:
+    """Everything about one step's attention that depends only on the batch's lengths and block
+    tables: the rows, gathers and masks, built once per step instead of in every layer (on a
+    CPU, those small ops cost more than the attention itself at decode sizes)."""
+    short: _ShortQueries | None
+    long: list[_LongQuery]
+
+
+def plan(cu_seqlens_q: list[int], seqused_k: list[int], block_table: torch.Tensor, block_size: int,
+         num_heads: int, num_kv_heads: int, dtype: torch.dtype, causal: bool = True) -> AttentionPlan:
+    """The plan for a batch: the host-side lists of query offsets and context lengths."""
+    device = block_table.device
+    q_lens = [cu_seqlens_q[i + 1] - cu_seqlens_q[i] for i in range(len(seqused_k))]
+    long = []
+    for i, q_len in enumerate(q_lens):
+        if q_len > SHORT_QUERY:
+            k_len = seqused_k[i]
+            mask = None
+            if causal:  # query j sits at key position k_len - q_len + j and sees keys up to it
+                mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
+            long.append(_LongQuery(slice(cu_seqlens_q[i], cu_seqlens_q[i + 1]),
+                                   block_table[i, :-(-k_len // block_size)], k_len, mask))
+    seqs = [i for i, n in enumerate(q_lens) if 0 < n <= SHORT_QUERY]
+    short = None
+    if seqs:
+        short = _plan_short(cu_seqlens_q, q_lens, seqused_k, block_table, block_size, num_heads // num_kv_heads,
+                            dtype, causal, seqs)
+    return AttentionPlan(short, long)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
-                    softmax_scale: float, causal: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+                    softmax_scale: float, causal: bool = True, out: torch.Tensor | None = None,
+                    attention_plan: AttentionPlan | None = None) -> torch.Tensor:
     """Attention for a varlen batch reading K/V through block tables (flash-attn's convention).
 
     q: `[total_q, num_heads, head_dim]`, sequence i's queries at `cu_seqlens_q[i]:cu_seqlens_q[i+1]`;
     its keys are the first `seqused_k[i]` tokens of the blocks `block_table[i]`. The causal mask
     is aligned bottom-right: the last query sees every key. `num_heads` is a multiple of
     `num_kv_heads` (grouped-query attention). Returns `[total_q, num_heads, head_dim]` (written
-    into `out` when given).
+    into `out` when given). `attention_plan`: the step's `plan(...)`, shared by its layers
+    (made here when not given).
     """
     out = torch.empty_like(q) if out is None else out
-    starts = cu_seqlens_q.tolist()
-    k_lens = seqused_k.tolist()
-    q_lens = [starts[i + 1] - starts[i] for i in range(len(k_lens))]
-    short = [i for i, n in enumerate(q_lens) if 0 < n <= SHORT_QUERY]
-    if short:
-        _short_query_attention(q, k_cache, v_cache, starts, q_lens, k_lens, block_table, softmax_scale,
-                               causal, short, out)
-    for i, q_len in enumerate(q_lens):
-        if q_len > SHORT_QUERY:
-            rows = slice(starts[i], starts[i + 1])
-            out[rows] = _sequence_attention(q[rows], k_cache, v_cache, block_table[i], k_lens[i],
-                                            softmax_scale, causal)
+    if attention_plan is None:
+        attention_plan = plan(cu_seqlens_q.tolist(), seqused_k.tolist(), block_table, k_cache.shape[1], q.shape[1],
+                              k_cache.shape[2], q.dtype, causal)
+    if attention_plan.short is not None:
+        _short_query_attention(q, k_cache, v_cache, attention_plan.short, softmax_scale, out)
+    for item in attention_plan.long:
+        out[item.rows] = _sequence_attention(q[item.rows], k_cache, v_cache, item, softmax_scale)
     return out
 
 
@@ -63,24 +118,49 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Ten
     return gathered.view(*blocks.shape[:-1], -1, *cache.shape[2:])[..., :length, :, :]
 
 
-def _sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-                        k_len: int, scale: float, causal: bool) -> torch.Tensor:
+def _sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, item: _LongQuery,
+                        scale: float) -> torch.Tensor:
     """One long prefill chunk: its context gathered once, then torch's fused attention."""
-    num_blocks = -(-k_len // k_cache.shape[1])
-    k = _gather(k_cache, blocks[:num_blocks], k_len).transpose(0, 1)  # [kv_heads, k_len, head_dim]
-    v = _gather(v_cache, blocks[:num_blocks], k_len).transpose(0, 1)
-    q_len = q.shape[0]
-    mask = None
-    if causal:
-        # Query j sits at key position k_len - q_len + j and sees keys up to it.
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale,
+    k = _gather(k_cache, item.blocks, item.k_len).transpose(0, 1)  # [kv_heads, k_len, head_dim]
+    v = _gather(v_cache, item.blocks, item.k_len).transpose(0, 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=item.mask, scale=scale,
                                          enable_gqa=True)
     return out.transpose(0, 1)
 
 
-def _short_query_attention(q, k_cache, v_cache, starts, q_lens, k_lens, block_table, scale, causal,
-                           seqs, out) -> None:
+def _plan_short(starts, q_lens, k_lens, block_table, bs, rep, dtype, causal, seqs) -> _ShortQueries:
+    device = block_table.device
+    num_seqs = len(seqs)
+    max_q = max(q_lens[i] for i in seqs)
+    lens = torch.tensor([k_lens[i] for i in seqs], device=device)
+    qlens = torch.tensor([q_lens[i] for i in seqs], device=device)
+    tables = block_table[torch.tensor(seqs, device=device)]
+    common = _common_blocks(tables, min(k_lens[i] - q_lens[i] for i in seqs) // bs) if num_seqs > 1 else 0
+
+    offsets = torch.arange(max_q, device=device)
+    valid = offsets[None, :] < qlens[:, None]
+    rows = torch.tensor([starts[i] for i in seqs], device=device)[:, None] + offsets[None, :]
+    rows = torch.where(valid, rows, torch.zeros_like(rows))
+
+    # Each sequence's own keys: positions common*bs .. k_len-1.
+    max_len = max(k_lens[i] for i in seqs)
+    first, num_blocks = common * bs, -(-max_len // bs) - common
+    own = tables[:, common:common + num_blocks]
+    key_pos = first + torch.arange(max_len - first, device=device)
+    allowed = key_pos[None, None, :] < lens[:, None, None]                  # [num_seqs, 1, own_len]
+    if causal:
+        query_pos = (lens - qlens)[:, None] + offsets[None, :]              # [num_seqs, max_q]
+        allowed = allowed & (key_pos[None, None, :] <= query_pos[:, :, None])
+    allowed = allowed.repeat_interleave(rep, dim=1) if allowed.shape[1] > 1 else allowed.expand(-1, max_q * rep, -1)
+    bias = None
+    if not bool(allowed.all()):  # one decoding chat needs no mask: it sees every key it has
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))[:, None]
+    in_order = max_q == 1 and seqs == list(range(len(starts) - 1)) and starts[num_seqs] == num_seqs
+    return _ShortQueries(num_seqs, max_q, rows, valid, rows[valid], own, max_len - first, bias, in_order,
+                         tables[0, :common] if common else None, first)
+
+
+def _short_query_attention(q, k_cache, v_cache, plan: _ShortQueries, scale, out) -> None:
     """Decodes and short prefill chunks, all at once, padded to the longest.
 
     Chats that share a system prompt share its blocks. The keys every sequence has in common and
@@ -88,44 +168,18 @@ def _short_query_attention(q, k_cache, v_cache, starts, q_lens, k_lens, block_ta
     whole batch; only each sequence's own remainder is gathered per sequence. The two partial
     attentions are merged through their log-sum-exps (flash-attention's rescaling).
     """
-    device, bs = q.device, k_cache.shape[1]
-    num_seqs, kv_heads = len(seqs), k_cache.shape[2]
-    heads, head_dim = q.shape[1], q.shape[2]
-    rep = heads // kv_heads
-    max_q = max(q_lens[i] for i in seqs)
-    lens = torch.tensor([k_lens[i] for i in seqs], device=device)
-    qlens = torch.tensor([q_lens[i] for i in seqs], device=device)
-    tables = block_table[torch.tensor(seqs, device=device)]
-    common = _common_blocks(tables, min(k_lens[i] - q_lens[i] for i in seqs) // bs) if num_seqs > 1 else 0
-
-    # Query rows, padded: [num_seqs, max_q] -> flat positions in q (padding points at row 0).
-    offsets = torch.arange(max_q, device=device)
-    valid = offsets[None, :] < qlens[:, None]
-    rows = torch.tensor([starts[i] for i in seqs], device=device)[:, None] + offsets[None, :]
-    rows = torch.where(valid, rows, torch.zeros_like(rows))
+    kv_heads, heads, head_dim = k_cache.shape[2], q.shape[1], q.shape[2]
+    rep, num_seqs, max_q = heads // kv_heads, plan.num_seqs, plan.max_q
     # [num_seqs, kv_heads, max_q * rep, head_dim]: a K/V head's query heads are just more rows.
-    qs = q[rows].view(num_seqs, max_q, kv_heads, rep, head_dim).permute(0, 2, 1, 3, 4)
+    qs = (q if plan.in_order else q[plan.rows]).view(num_seqs, max_q, kv_heads, rep, head_dim).permute(0, 2, 1, 3, 4)
     qs = qs.reshape(num_seqs, kv_heads, max_q * rep, head_dim)
+    k = _gather(k_cache, plan.own, plan.own_len).transpose(1, 2)  # [num_seqs, kv_heads, own_len, head_dim]
+    v = _gather(v_cache, plan.own, plan.own_len).transpose(1, 2)
+    result, lse = _attention_with_lse(qs, k, v, plan.bias, scale)
 
-    # Each sequence's own keys: positions common*bs .. k_len-1.
-    max_len = int(lens.max())
-    first, num_blocks = common * bs, -(-max_len // bs) - common
-    own = tables[:, common:common + num_blocks]
-    k = _gather(k_cache, own, max_len - first).transpose(1, 2)  # [num_seqs, kv_heads, own_len, head_dim]
-    v = _gather(v_cache, own, max_len - first).transpose(1, 2)
-    key_pos = first + torch.arange(max_len - first, device=device)
-    allowed = key_pos[None, None, :] < lens[:, None, None]                  # [num_seqs, 1, own_len]
-    if causal:
-        query_pos = (lens - qlens)[:, None] + offsets[None, :]              # [num_seqs, max_q]
-        allowed = allowed & (key_pos[None, None, :] <= query_pos[:, :, None])
-    allowed = allowed.repeat_interleave(rep, dim=1) if allowed.shape[1] > 1 else allowed.expand(-1, max_q * rep, -1)
-    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=device).masked_fill_(~allowed, float("-inf"))
-    result, lse = _attention_with_lse(qs, k, v, bias[:, None], scale)
-
-    if common:
-        shared = tables[0, :common]
-        kp = _gather(k_cache, shared, first).transpose(0, 1)[None]  # [1, kv_heads, first, head_dim]
-        vp = _gather(v_cache, shared, first).transpose(0, 1)[None]
+    if plan.shared is not None:
+        kp = _gather(k_cache, plan.shared, plan.first).transpose(0, 1)[None]  # [1, kv_heads, first, head_dim]
+        vp = _gather(v_cache, plan.shared, plan.first).transpose(0, 1)[None]
         qp = qs.transpose(0, 1).reshape(1, kv_heads, num_seqs * max_q * rep, head_dim)
         shared_out, shared_lse = _attention_with_lse(qp, kp, vp, None, scale)
         shared_out = shared_out.view(kv_heads, num_seqs, max_q * rep, head_dim).transpose(0, 1)
@@ -134,7 +188,10 @@ def _short_query_attention(q, k_cache, v_cache, starts, q_lens, k_lens, block_ta
         result = (result * (lse - total).exp()[..., None].to(result.dtype)
                   + shared_out * (shared_lse - total).exp()[..., None].to(result.dtype))
     result = result.view(num_seqs, kv_heads, max_q, rep, head_dim).permute(0, 2, 1, 3, 4)
-    out[rows[valid]] = result.reshape(num_seqs, max_q, heads, head_dim)[valid]
+    if plan.in_order:
+        out.copy_(result.reshape(num_seqs, heads, head_dim))
+    else:
+        out[plan.out_rows] = result.reshape(num_seqs, max_q, heads, head_dim)[plan.valid]
 
 
 def _attention_with_lse(q, k, v, bias, scale):

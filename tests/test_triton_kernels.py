@@ -71,7 +71,10 @@ def test_engine_outputs_with_triton_forced_equal_the_torch_path(tiny_model_dir, 
     prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in
                ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a land far away,"]]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    forked = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    # Seeded forks over a few clear candidates: at temperature 1 the tiny random model's
+    # distribution is nearly flat over 49k tokens, and float noise between the two attention
+    # implementations (or two matmul kernels) picks a neighbouring token.
+    forked = SamplingParams(n=2, temperature=0.7, top_k=8, seed=5, max_tokens=6, ignore_eos=True)
 
     calls = []
     launch = triton_attention.paged_attention

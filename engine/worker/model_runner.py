@@ -77,14 +77,15 @@ class ModelRunner:
         device = self.device
         width = max(len(t) for t in table_rows)
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in table_rows], dtype=torch.int32)
+        block_table = block_table.to(device, non_blocking=True)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
             cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
             seqused_k=torch.tensor(k_lens, dtype=torch.int32).to(device, non_blocking=True),
-            block_table=block_table.to(device, non_blocking=True),
+            block_table=block_table,
             plan=kernels.plan_attention(q_lens=[b - a for a, b in zip(cu_q, cu_q[1:])], k_lens=k_lens,
                                         num_heads=self.model.num_heads, kv_heads=self.model.num_kv_heads,
-                                        head_dim=self.model.head_dim, cache=self.kv_cache))
+                                        head_dim=self.model.head_dim, cache=self.kv_cache, block_table=block_table))
         # Empty when every request is mid-prompt: the step only fills the cache.
         logits_indices = torch.tensor([cu_q[i + 1] - 1 for i in sample_rows], dtype=torch.int64, device=device)
         return self.model.forward(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
