@@ -32,6 +32,7 @@ test: $(STAMP) browser
 bench: $(STAMP)
 	$(BIN)/python benchmarks/scheduler_overhead.py
 	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/python benchmarks/step_profile.py
 
 clean:
 	rm -rf $(VENV)

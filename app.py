@@ -83,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=default_model,
                         help="hub id or local Llama-family folder ($MODEL; default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=env("PAGEDCHAT_DEVICE"), help="cuda or cpu (default: cuda if present)")
+    parser.add_argument("--dtype", default=env("PAGEDCHAT_DTYPE", "auto"),
+                        help="auto, float32, bfloat16 or float16 ($PAGEDCHAT_DTYPE; auto: bf16 where the device "
+                             "computes it natively, fp32 otherwise)")
     parser.add_argument("--num-gpu-blocks", type=int, default=optional_int("PAGEDCHAT_GPU_BLOCKS"),
                         help="device KV pool size in blocks (default: from the memory budget)")
     parser.add_argument("--num-cpu-blocks", type=int, default=optional_int("PAGEDCHAT_CPU_BLOCKS"),
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from engine import LLMEngine
 
-        engine = LLMEngine(args.model, args.device, num_gpu_blocks=args.num_gpu_blocks,
+        engine = LLMEngine(args.model, args.device, args.dtype, num_gpu_blocks=args.num_gpu_blocks,
                            num_cpu_blocks=args.num_cpu_blocks)
         client = EngineClient(engine, max_waiting=args.max_waiting)
         backend, feed, load = backends.in_process(client), PanelFeed(client), LoadGenerator(client)

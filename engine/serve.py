@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=env("PAGEDCHAT_API_KEY"), help="required Bearer token ($PAGEDCHAT_API_KEY)")
     parser.add_argument("--device", default=env("PAGEDCHAT_DEVICE"))
+    parser.add_argument("--dtype", default=env("PAGEDCHAT_DTYPE", "auto"), help="auto, float32, bfloat16 or float16")
     parser.add_argument("--num-gpu-blocks", type=int, default=None, help="device KV pool size in blocks")
     parser.add_argument("--num-cpu-blocks", type=int, default=None, help="host swap pool size in blocks")
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine.llm_engine import LLMEngine
 
     args = parse_args(argv)
-    engine = LLMEngine(args.model, args.device, num_gpu_blocks=args.num_gpu_blocks,
+    engine = LLMEngine(args.model, args.device, args.dtype, num_gpu_blocks=args.num_gpu_blocks,
                        num_cpu_blocks=args.num_cpu_blocks, max_num_seqs=args.max_num_seqs)
     client = EngineClient(engine, max_waiting=args.max_waiting)
     try:

@@ -55,7 +55,7 @@ def tiny_hf(tiny_model_dir):
 def smol_llm():
     """The real default model on our engine, shared by the few tests that need it."""
     from engine import LLM
-    return LLM(num_gpu_blocks=512, num_cpu_blocks=64)
+    return LLM(dtype="float32", num_gpu_blocks=512, num_cpu_blocks=64)  # exactness against transformers: fp32
 
 
 @pytest.fixture(scope="session")

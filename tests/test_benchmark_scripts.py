@@ -14,6 +14,12 @@ def last_json_line(args):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def test_step_profile_script(tiny_model_dir):
+    figures = last_json_line(["benchmarks/step_profile.py", "--model", tiny_model_dir, "--tokens", "4"])
+    parts = figures["ms_per_step"]
+    assert figures["tok_s"] > 0 and parts["step"] >= parts["forward"] >= parts["weight matmuls"] > 0
+
+
 def test_scheduler_overhead_script():
     figures = last_json_line(["benchmarks/scheduler_overhead.py", "--steps", "5", "--requests", "8"])
     assert figures["ms_per_step"] > 0 and figures["requests"] == 8

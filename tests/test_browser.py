@@ -157,8 +157,15 @@ def test_only_stop_is_enabled_while_a_reply_streams(served, profiles):
     assert [m["role"] for m in store.messages(user, conversation_id)] == ["user", "assistant"] * 2
 
 
-def test_stop_ends_the_reply_and_frees_its_blocks(served, profiles):
+def test_stop_ends_the_reply_and_frees_its_blocks(served, profiles, monkeypatch):
     client, store, _ = served
+    step = client.engine.step
+
+    def slow_step():  # a reply long enough to be stopped mid-way, however fast the tiny model runs
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(client.engine, "step", slow_step)
     profile = profiles()
     page = profile.open()
     set_params(page, max_tokens=1000)

@@ -58,6 +58,19 @@ def backend(client):
 
 
 @pytest.fixture
+def slow_engine(client, monkeypatch):
+    """Steps 5 ms apart: a long reply is still being written when the test acts mid-reply, however
+    fast the tiny model runs."""
+    step = client.engine.step
+
+    def slow_step():
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(client.engine, "step", slow_step)
+
+
+@pytest.fixture
 def chat(backend, store):
     return ChatController(backend, store)
 
@@ -212,7 +225,7 @@ def test_edit_last_replaces_the_last_user_message_and_drops_its_reply(chat, stor
 
 # ---- Stop -------------------------------------------------------------------------------------------
 @pytest.mark.anyio
-async def test_closing_mid_stream_stores_the_partial_reply_as_stopped(chat, store, client):
+async def test_closing_mid_stream_stores_the_partial_reply_as_stopped(chat, store, client, slow_engine):
     user = new_user()
     views = chat.send(user, None, "Write a very long story about a lighthouse.", "", greedy(500))
     async for view in views:
@@ -239,7 +252,7 @@ async def test_closing_mid_stream_stores_the_partial_reply_as_stopped(chat, stor
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("when", ["before the first token", "mid-stream"])
-async def test_cancelling_the_reader_aborts_at_once_and_stores_what_was_written(chat, store, client, when):
+async def test_cancelling_the_reader_aborts_at_once_and_stores_what_was_written(chat, store, client, slow_engine, when):
     """What Stop and a closed tab do: the task that reads the reply is cancelled."""
     user = new_user()
     views = chat.send(user, None, "Write a very long story about a lighthouse.", SYSTEM, greedy(500))
@@ -267,7 +280,7 @@ async def test_cancelling_the_reader_aborts_at_once_and_stores_what_was_written(
 
 
 @pytest.mark.anyio
-async def test_closing_before_the_reply_streams_aborts_the_request_and_stores_only_the_message(chat, store, client):
+async def test_closing_before_the_reply_streams_aborts_the_request_and_stores_only_the_message(chat, store, client, slow_engine):
     user = new_user()
     views = chat.send(user, None, "Stop me before I start", "", greedy(500))
     first = await anext(views)  # the user's side, stored; no delta read yet

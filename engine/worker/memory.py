@@ -13,15 +13,32 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """fp32 on the CPU, bf16 on a GPU, unless asked otherwise."""
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device,
+                  model_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype asked for; "auto" (or None), as vLLM's: 16-bit where the device computes it
+    natively and the model was published in 16 bits (`model_dtype`, from its config) — bf16 on
+    a GPU, and on a CPU with AMX or AVX-512 BF16 — fp32 otherwise (a model stored in fp32, a CPU
+    that would emulate bf16 in software and be slower than fp32)."""
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        sixteen_bit = model_dtype in (torch.bfloat16, torch.float16)
+        return torch.bfloat16 if device.type == "cpu" and sixteen_bit and cpu_computes_bf16() else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
     return DTYPES[dtype]
+
+
+def cpu_computes_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bf16 instructions (AMX or AVX-512 BF16), from the kernel's flags."""
+    try:
+        with open(cpuinfo) as file:
+            flags = next((line.split(":", 1)[1].split() for line in file if line.startswith("flags")), [])
+    except OSError:  # not Linux: no flags to read, so no claim of native bf16
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def num_device_blocks(device: torch.device, block_bytes: int, gpu_memory_utilization: float,

@@ -9,6 +9,7 @@ Any other Llama-family model loads by hub id or local folder.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -38,10 +39,16 @@ def resolve_model(model: str | None = None) -> str:
     return str(ensure_default_model())
 
 
+# The published SmolLM2-135M-Instruct's dtype; its embedded GGUF is 4-bit (Q4_1), dequantized to
+# fp32 safetensors. The config records the published dtype, which dtype="auto" goes by.
+DEFAULT_MODEL_DTYPE = "bfloat16"
+
+
 def ensure_default_model() -> Path:
     """The embedded default as a transformers folder, converting the GGUF on first use."""
     folder = cache_dir() / "models" / DEFAULT_MODEL_NAME
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        _record_published_dtype(folder / "config.json")
         return folder
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
@@ -56,6 +63,7 @@ def ensure_default_model() -> Path:
     # The weights are dequantized now; drop the GGUF marker so transformers will save them.
     del model.config.quantization_config
     model.hf_quantizer = None
+    model.config.dtype = DEFAULT_MODEL_DTYPE
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
     try:
@@ -67,6 +75,28 @@ def ensure_default_model() -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def _record_published_dtype(config_path: Path) -> None:
+    """A folder converted before the config named the published dtype gets it (rewritten whole
+    and renamed into place, so a reader never sees half a file)."""
+    config = json.loads(config_path.read_text())
+    if config.get("dtype") == DEFAULT_MODEL_DTYPE:
+        return
+    config["dtype"] = DEFAULT_MODEL_DTYPE
+    staging = config_path.with_suffix(".json.tmp")
+    staging.write_text(json.dumps(config, indent=2) + "\n")
+    staging.replace(config_path)
+
+
+def model_dtype(model: str | None = None) -> torch.dtype | None:
+    """The dtype `model`'s config says it was published in (None when it says none)."""
+    from transformers import AutoConfig
+
+    dtype = getattr(AutoConfig.from_pretrained(resolve_model(model)), "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def check_supported(config) -> None:
