@@ -31,6 +31,7 @@ class _Watched:
     def __init__(self, endpoint: Endpoint, capacity: int, window: int) -> None:
         self.endpoint = endpoint
         self.probe = Probe(up=False, problem="not looked at yet")
+        self.looked = threading.Event()  # set after the first look
         self.recent: deque[MetricsSnapshot] = deque(maxlen=window + 1)  # the window's scrapes, newest last
         self.history: deque[Figures] = deque(maxlen=capacity)
         self.in_flight = 0
@@ -66,10 +67,9 @@ class Monitor:
                              for name in self._watched]
             for thread in self._threads:
                 thread.start()
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and any(w.probe.problem == "not looked at yet"
-                                                      for w in self._watched.values()):
-                time.sleep(0.02)
+            deadline = time.monotonic() + 10  # a hung backend's first look must not hold up the app
+            for watched in self._watched.values():
+                watched.looked.wait(max(0.0, deadline - time.monotonic()))
         return self
 
     def close(self) -> None:
@@ -97,6 +97,7 @@ class Monitor:
             elif watched.probe.up and not probe.up:
                 log.warning("backend %s is down: %s", name, probe.problem)
             watched.probe = probe
+            watched.looked.set()
             if probe.metrics is not None:
                 watched.history.append(figures(watched.recent[0] if watched.recent else None, probe.metrics))
                 watched.recent.append(probe.metrics)
