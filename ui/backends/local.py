@@ -3,12 +3,29 @@ in the same terms as a remote server's /metrics."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Callable
 
 from engine import BlockMap, Delta, EngineClient, EngineInfo, SamplingParams
 from ui.backends.backend import Deltas, Probe
 from ui.backends.figures import MetricsSnapshot
 
 LOCAL_NAME = "in-process"
+
+
+class _LocalStream:
+    """The engine client's deltas, closed by aborting the request by id: closing a generator that
+    never started runs nothing, so closing it alone would leave the request running."""
+
+    def __init__(self, deltas: AsyncIterator[Delta], abort: Callable[[], None]) -> None:
+        self._deltas = deltas
+        self._abort = abort
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._deltas
+
+    async def aclose(self) -> None:
+        await self._deltas.aclose()
+        self._abort()  # a request that has finished is no longer known: nothing happens
 
 
 class LocalEndpoint:
@@ -25,8 +42,9 @@ class LocalEndpoint:
 
     async def start(self, messages: list[dict], params: SamplingParams, *, request_id: str,
                     user: str | None, num_shared_messages: int) -> Deltas:
-        return await self.client.asubmit(messages, params, request_id=request_id, cache_salt=user,
-                                         num_shared_messages=num_shared_messages)
+        deltas = await self.client.asubmit(messages, params, request_id=request_id, cache_salt=user,
+                                           num_shared_messages=num_shared_messages)
+        return _LocalStream(deltas, lambda: self.client.abort(request_id))
 
     def probe(self) -> Probe:
         info = self.client.info()
