@@ -60,14 +60,19 @@ def backend(client):
 @pytest.fixture
 def slow_engine(client, monkeypatch):
     """Steps 5 ms apart: a long reply is still being written when the test acts mid-reply, however
-    fast the tiny model runs."""
-    step = client.engine.step
+    fast the tiny model runs. Set the returned event to hold the engine still (up to 10 s)."""
+    step, hold = client.engine.step, threading.Event()
 
     def slow_step():
+        deadline = time.monotonic() + 10
+        while hold.is_set() and time.monotonic() < deadline:
+            time.sleep(0.001)
         time.sleep(0.005)
         return step()
 
     monkeypatch.setattr(client.engine, "step", slow_step)
+    yield hold
+    hold.clear()
 
 
 @pytest.fixture
@@ -255,6 +260,8 @@ async def test_closing_mid_stream_stores_the_partial_reply_as_stopped(chat, stor
 async def test_cancelling_the_reader_aborts_at_once_and_stores_what_was_written(chat, store, client, slow_engine, when):
     """What Stop and a closed tab do: the task that reads the reply is cancelled."""
     user = new_user()
+    if when == "before the first token":
+        slow_engine.set()  # no step, so no token, until the reader is cancelled
     views = chat.send(user, None, "Write a very long story about a lighthouse.", SYSTEM, greedy(500))
     shown: list[ChatView] = []
 
@@ -268,6 +275,7 @@ async def test_cancelling_the_reader_aborts_at_once_and_stores_what_was_written(
     reader.cancel()
     with pytest.raises(asyncio.CancelledError):
         await reader
+    slow_engine.clear()
     cancelled_at = time.monotonic()
     assert await asyncio.to_thread(engine_idle, client, 1.0), client.stats()
     assert time.monotonic() - cancelled_at < 1.0
@@ -281,11 +289,13 @@ async def test_cancelling_the_reader_aborts_at_once_and_stores_what_was_written(
 
 @pytest.mark.anyio
 async def test_closing_before_the_reply_streams_aborts_the_request_and_stores_only_the_message(chat, store, client, slow_engine):
-    user = new_user()
+    user, ended = new_user(), []
+    client.add_listener(lambda delta, now: ended.append(delta.finish_reason) if delta.finish_reason else None)
     views = chat.send(user, None, "Stop me before I start", "", greedy(500))
     first = await anext(views)  # the user's side, stored; no delta read yet
     await views.aclose()
-    assert engine_idle(client), client.stats()
+    assert engine_idle(client, 1.0), client.stats()
+    assert not {"stop", "length"} & set(ended), ended  # ended by the close, not left to run to its end
     assert roles(store, user, first.conversation_id) == ["user"]
     assert chat.after_stop(user, first.conversation_id, timeout=5.0) == first.messages
 
