@@ -114,7 +114,8 @@ def test_a_known_system_prompt_goes_to_the_backend_that_cached_it(app, engine_se
     assert owner != first_choice
     busy.join(timeout=120)
     wait_until(lambda: idle(engine_servers), what="both backends idle")
-    wait_until(lambda: router.order()[0] == first_choice, what="loads to even out")
+    wait_until(lambda: router.order()[0] == first_choice,
+               what=f"loads to even out (load, KV usage now: {[router.monitor.load(s.name) for s in engine_servers]})")
 
     other_user = new_user()  # idle and even: least loaded alone would pick `first_choice`
     _, conversation_id = send(url, other_user, "Review this: y = 2", "Code reviewer")
