@@ -77,6 +77,11 @@ def idle(engine_servers) -> bool:
     return all(s.running_requests() == 0 for s in engine_servers)
 
 
+def router_idle(router) -> bool:
+    """The router's own view: no reply in flight and no request in any backend's latest scrape."""
+    return all(router.monitor.load(name) == (0, 0.0) for name in router.names)
+
+
 def test_the_router_sees_both_backends_and_their_model(app, engine_servers):
     router, _ = app
     statuses = router.statuses()
@@ -100,25 +105,28 @@ def test_users_chat_on_both_backends_and_turn_two_stays_where_turn_one_was(app, 
     wait_until(lambda: idle(engine_servers), what="both backends idle")
 
 
-def test_a_known_system_prompt_goes_to_the_backend_that_cached_it(app, engine_servers, store):
+@pytest.mark.anyio
+async def test_a_known_system_prompt_goes_to_the_backend_that_cached_it(app, engine_servers, store):
     router, url = app
+    await asyncio.to_thread(wait_until, lambda: router_idle(router), what="the router to see both backends idle")
     first_choice = router.order()[0]
-    # Keep the first choice busy, so that a new preset lands on the other backend and is cached there.
-    busy = threading.Thread(target=send, args=(url, new_user(), "A long story, please.", "None"),
-                            kwargs={"max_tokens": 400})
-    busy.start()
-    wait_until(lambda: router.order()[0] != first_choice, what="the busy backend to show its load")
-    user = new_user()
-    _, conversation_id = send(url, user, "Review this: x = 1", "Code reviewer")
-    owner = replies(store, user, conversation_id)[0]["backend"]
-    assert owner != first_choice
-    busy.join(timeout=120)
-    wait_until(lambda: idle(engine_servers), what="both backends idle")
-    wait_until(lambda: router.order()[0] == first_choice,
-               what=f"loads to even out (load, KV usage now: {[router.monitor.load(s.name) for s in engine_servers]})")
+    # A reply held open on the first choice (the router counts it until it closes), so that a new
+    # preset lands on the other backend and is cached there.
+    held = await start_reply(router, [{"role": "user", "content": "A long story, please."}],
+                             SamplingParams(temperature=0.0, max_tokens=16), user=new_user())
+    try:
+        assert held.backend == first_choice
+        user = new_user()
+        _, conversation_id = await asyncio.to_thread(send, url, user, "Review this: x = 1", "Code reviewer")
+        owner = replies(store, user, conversation_id)[0]["backend"]
+        assert owner != first_choice
+    finally:
+        await held.aclose()
+    await asyncio.to_thread(wait_until, lambda: router_idle(router), what="the router to see both backends idle")
+    assert router.order()[0] == first_choice  # idle and even: least loaded alone would pick it
 
-    other_user = new_user()  # idle and even: least loaded alone would pick `first_choice`
-    _, conversation_id = send(url, other_user, "Review this: y = 2", "Code reviewer")
+    other_user = new_user()
+    _, conversation_id = await asyncio.to_thread(send, url, other_user, "Review this: y = 2", "Code reviewer")
     reply = replies(store, other_user, conversation_id)[0]
     assert reply["backend"] == owner
     assert reply["cached_tokens"] >= 16  # the preset's blocks, computed for the first user
@@ -162,13 +170,12 @@ def test_a_backend_killed_mid_reply_fails_only_its_replies_and_comes_back(app, e
     victim.start()  # back on its port: the monitor puts it back and routing uses it again
     wait_until(lambda: router.monitor.is_up(victim.name), 30, "the restarted backend to be seen")
     wait_until(lambda: idle(engine_servers), what="both backends idle")
-    wait_until(lambda: router.order()[0] == victim.name or router.order()[1] == victim.name, 5)
-    users = [new_user() for _ in range(4)]
-    served = set()
-    for user in users:
-        _, conversation_id = send(url, user, f"Welcome back {user[-4:]}", max_tokens=8)
-        served.add(replies(store, user, conversation_id)[0]["backend"])
-    assert victim.name in served
+    wait_until(lambda: router_idle(router), what="the router to see both backends idle")
+    # Four new chats at once: the least loaded rule spreads them over both (alone, each would go
+    # to whichever name sorts first).
+    welcomed = at_once(url, [new_user() for _ in range(4)], "Welcome back", max_tokens=8)
+    served = {replies(store, user, conversation_id)[0]["backend"] for user, (_, conversation_id) in welcomed.items()}
+    assert served == {victim.name, survivor.name}
 
 
 @pytest.mark.anyio

@@ -24,6 +24,7 @@ class Stand:
         self.on_unreachable = None
         self.up, self.running, self.kv_usage = True, 0, 0.0
         self.fails: Exception | None = None
+        self.exports_metrics = True
         self.started: list[str] = []
 
     async def start(self, messages, params, *, request_id, user, num_shared_messages):
@@ -38,6 +39,8 @@ class Stand:
     def probe(self) -> Probe:
         if not self.up:
             return Probe(up=False, problem="connection refused")
+        if not self.exports_metrics:
+            return Probe(up=True, model="m", problem="no metrics")
         return Probe(up=True, model="m", metrics=MetricsSnapshot(time.time(), "vllm", kv_usage=self.kv_usage,
                                                                    running=self.running, waiting=0))
 
@@ -117,6 +120,16 @@ async def test_a_down_backend_is_skipped_and_used_again_once_it_answers(cluster)
     stands["a"].up = True
     look()
     assert await start(router, previous="a") == "a"
+
+
+def test_a_backend_back_from_down_is_not_judged_by_its_load_before_it_went(cluster):
+    stands, router, look = cluster
+    look(a=9, b=1, c=1)
+    stands["a"].up = False
+    look()
+    stands["a"].up, stands["a"].exports_metrics = True, False  # back, but its first /metrics failed
+    look()
+    assert router.monitor.load("a") == (0, 0.0) and router.order()[0] == "a"
 
 
 @pytest.mark.anyio

@@ -98,7 +98,9 @@ class Monitor:
                 log.warning("backend %s is down: %s", name, probe.problem)
             watched.probe = probe
             watched.looked.set()
-            if probe.metrics is not None:
+            if not probe.up:  # its last scrape is not its load now, nor a start for rates when it is back
+                watched.recent.clear()
+            elif probe.metrics is not None:
                 watched.history.append(figures(watched.recent[0] if watched.recent else None, probe.metrics))
                 watched.recent.append(probe.metrics)
 
@@ -109,6 +111,7 @@ class Monitor:
             if watched.probe.up:
                 log.warning("backend %s is down: %s", name, why)
             watched.probe = replace(watched.probe, up=False, problem=f"unreachable: {why}")
+            watched.recent.clear()
 
     def started(self, name: str) -> None:
         with self._lock:
