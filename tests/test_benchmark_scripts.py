@@ -69,3 +69,14 @@ def test_serve_script_short(tiny_model_dir):
     assert row["sent"] > 0 and row["completed"] == row["sent"] and row["failed"] == 0, row
     assert row["output_tok_s"] > 0 and row["ttft_p50_s"] > 0 and row["itl_p50_ms"] is not None
     assert row["cached_share"] > 0  # the shared system prompts come from the prefix cache
+
+
+def test_peer_comparison_script_runs_the_engine_and_reports_peers_not_set_up(tmp_path):
+    """`make bench-peers`'s script on the embedded model, pointed at an empty build folder: the
+    engine's figures, and vLLM and llama.cpp reported missing with what to run, not a crash."""
+    figures = last_json_line(["benchmarks/peers/compare.py", "--dtypes", "float32", "--output-tokens", "2",
+                              "--build", str(tmp_path)])
+    row = figures["float32"]
+    assert row["engine_tok_s"] > 0 and row["engine_single_tok_s"] > 0 and row["engine_startup_s"] > 0
+    assert 0 < row["engine_single_bound_share"] and figures["read_gb_s"] > 0
+    assert "vllm_cpu.sh setup" in row["missing"]["vllm"] and "llama_cpp.sh" in row["missing"]["llamacpp"]

@@ -19,11 +19,13 @@ if [ ! -d llama_cpp_python ]; then
     tar xzf sdist/llama_cpp_python-*.tar.gz -C llama_cpp_python --strip-components=1
 fi
 SRC="$BUILD/llama_cpp_python/vendor/llama.cpp"
-if [ ! -x "$BUILD/llama-server" ]; then
+# llama-server for the app's remote-backend comparison; llama-batched-bench for `make bench-peers`
+# (all chats in one context, the shared prompt decoded once).
+if [ ! -x "$BUILD/llama-server" ] || [ ! -x "$BUILD/llama-batched-bench" ]; then
     cmake -S "$SRC" -B "$BUILD/cmake" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
-    cmake --build "$BUILD/cmake" --target llama-server -j "$(nproc)" >/dev/null
-    cp "$BUILD/cmake/bin/llama-server" "$BUILD/llama-server"
+    cmake --build "$BUILD/cmake" --target llama-server llama-batched-bench -j "$(nproc)" >/dev/null
+    cp "$BUILD/cmake/bin/llama-server" "$BUILD/cmake/bin/llama-batched-bench" "$BUILD/"
 fi
 MODEL_DIR=$("$PY" -c "from engine.worker.model_loader import resolve_model; print(resolve_model(None))")
 GGUF="$BUILD/smollm2-135m-$OUTTYPE.gguf"
