@@ -1,16 +1,16 @@
 """vLLM CPU on the throughput workload, offline (`vllm.LLM`): start-up to first token, then all
 chats at once, then one chat alone; greedy, EOS ignored. Run with the vLLM venv's python and the
-environment `vllm_cpu.sh` sets (it prints nothing of ours: this file imports only vLLM):
+environment `vllm_cpu.sh` sets (of ours it imports only offline_run.py, standard library):
 
     .venv/bin/python benchmarks/peers/workload.py /tmp/workload.json
     bash benchmarks/peers/vllm_cpu.sh run benchmarks/peers/vllm_offline.py /tmp/workload.json --dtype bfloat16
 """
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import time
+
+from offline_run import measure_and_report, parse_args  # this folder: the script's own
 
 STARTED = time.perf_counter()
 
@@ -24,12 +24,7 @@ def cpu_model() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workload")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--output-tokens", type=int, default=128)
-    args = parser.parse_args()
-    workload = json.load(open(args.workload))
+    args, workload = parse_args(__doc__)
     prompts = workload["prompts"]
 
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -40,21 +35,11 @@ def main() -> None:
     llm.generate([TokensPrompt(prompt_token_ids=prompts[-1])], SamplingParams(temperature=0, max_tokens=1))
     startup = time.perf_counter() - STARTED
 
-    def timed(batch: list[list[int]]) -> float:
-        start = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], greedy, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        assert tokens == len(batch) * args.output_tokens, f"{tokens} tokens generated"
-        return tokens / seconds
+    def generate(batch: list[list[int]]) -> list[list[int]]:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], greedy, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
 
-    many = timed(prompts)
-    single = timed([prompts[0]])
-    print(f"vLLM CPU, {cpu_model()}, {args.dtype}: start-up to first token {startup:.1f} s; "
-          f"{len(prompts)} chats {many:.1f} tok/s; one chat {single:.1f} tok/s")
-    print(json.dumps({"system": "vllm", "dtype": args.dtype, "cpu": cpu_model(), "startup_s": round(startup, 1),
-                      "tok_s": round(many, 2), "single_tok_s": round(single, 2), "chats": len(prompts)}))
-
+    measure_and_report("vllm", "vLLM CPU", args.dtype, cpu_model(), startup, generate, prompts, args.output_tokens)
 
 if __name__ == "__main__":
     main()
