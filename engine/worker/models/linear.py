@@ -40,11 +40,9 @@ class Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
             if weight.dtype == torch.bfloat16:
                 self.weight = None  # every batch size is as fast or faster packed
-        # Batches of up to this many rows take the plain weight (-1: never, there is none).
-        self._plain_rows = -1 if self.weight is None else PLAIN_FP32_ROWS if self.packed is not None else 1 << 62
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] > self._plain_rows:
+        if self.packed is not None and (self.weight is None or x.shape[0] > PLAIN_FP32_ROWS):
             if not x.shape[0]:  # oneDNN refuses an empty batch (a step that only fills the cache)
                 return x.new_empty((0, self.out_features))
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -1,0 +1,30 @@
+"""The decoder's weight matmul (engine/worker/models/linear.py) equals F.linear on every path it
+takes on a CPU: the plain weight for one or two fp32 rows, oneDNN's prepacked copy for more (and
+for every bf16 batch), with and without a bias, and an empty batch (a step that only fills the
+cache)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.worker.models.linear import PLAIN_FP32_ROWS, Linear
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])
+@pytest.mark.parametrize("rows", [0, 1, PLAIN_FP32_ROWS, PLAIN_FP32_ROWS + 1, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_every_batch_size_matches_f_linear(dtype, tolerance, rows, with_bias):
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype) if with_bias else None
+    x = torch.randn(rows, 64, dtype=dtype)
+    y = Linear(weight, bias)(x)
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert y.shape == (rows, 96) and y.dtype == dtype
+    torch.testing.assert_close(y.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_bf16_keeps_only_the_packed_copy_and_fp32_both():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("a torch build without oneDNN keeps the plain weight only")
+    bf16, fp32 = Linear(torch.randn(8, 16, dtype=torch.bfloat16)), Linear(torch.randn(8, 16))
+    assert bf16.weight is None and bf16.packed is not None
+    assert fp32.weight is not None and fp32.packed is not None
