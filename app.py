@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 
 import gradio as gr
 import uvicorn
 from fastapi import FastAPI
-
-HUB_DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 from engine import EngineClient, add_openai_api, is_loopback
 from storage import Store
@@ -31,7 +30,7 @@ from ui.chat import build_chat
 from ui.panel.load_generator import LoadGenerator
 from ui.panel.page import build_panel
 from ui.panel.feed import PanelFeed
-from ui.identity import on_space
+from ui import space
 from ui.sessions import Sessions, SessionWatch
 
 
@@ -64,12 +63,15 @@ def build_server(demo: gr.Blocks, client: EngineClient | None, sessions: Session
     server.add_middleware(SessionWatch, sessions=sessions)
     if client is not None and api_enabled(host, api_key):
         add_openai_api(server, client, api_key=api_key)
-    return gr.mount_gradio_app(server, demo, path="/", ssr_mode=False)
+    with warnings.catch_warnings():
+        # Gradio warns that SSR is off for a multi-page app; it is off by our choice anyway.
+        warnings.filterwarnings("ignore", message="SSR mode is not supported", category=UserWarning)
+        return gr.mount_gradio_app(server, demo, path="/", ssr_mode=False)
 
 
 def api_enabled(host: str, api_key: str | None) -> bool:
     """The API is served with a key, or without one only where nobody else can reach it."""
-    return bool(api_key) or (is_loopback(host) and not on_space())
+    return bool(api_key) or (is_loopback(host) and not space.on_space())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return int(env(name)) if env(name) else None
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_model = env("MODEL") or (HUB_DEFAULT_MODEL if env("SPACE_ID") else None)
+    default_model = env("MODEL") or (space.DEFAULT_MODEL if space.on_space() else None)
     parser.add_argument("--model", default=default_model,
                         help="hub id or local Llama-family folder ($MODEL; default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=env("PAGEDCHAT_DEVICE"), help="cuda or cpu (default: cuda if present)")
@@ -120,10 +122,18 @@ def main(argv: list[str] | None = None) -> None:
         backend = backends.remote(args.backend, args.backend_key)
         api = "the backends serve it"
     else:
+        import torch
+
         from engine import LLMEngine
 
+        sizes = {}
+        if space.on_space():  # the container's share of the machine, not the host's
+            hardware = space.space_hardware()
+            if hardware.threads:
+                torch.set_num_threads(hardware.threads)
+            sizes = dict(kv_cache_memory_gib=hardware.kv_cache_memory_gib, swap_space=hardware.swap_space_gib)
         engine = LLMEngine(args.model, args.device, args.dtype, num_gpu_blocks=args.num_gpu_blocks,
-                           num_cpu_blocks=args.num_cpu_blocks)
+                           num_cpu_blocks=args.num_cpu_blocks, **sizes)
         client = EngineClient(engine, max_waiting=args.max_waiting)
         backend, feed, load = backends.in_process(client), PanelFeed(client), LoadGenerator(client)
         api = "/v1" if api_enabled(args.host, args.api_key) else "off, no --api-key"

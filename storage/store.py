@@ -114,6 +114,17 @@ class Store:
             if db.execute("delete from users where id = ?", [user_id]).rowcount == 0:
                 raise NotFound("user", user_id)
 
+    def move_conversations(self, from_user: str, to_user: str) -> int:
+        """Give all of `from_user`'s conversations (and their messages) to `to_user`, whose row is
+        created if need be; returns how many moved. The caller has checked that it speaks for
+        both (a browser signing in with the anonymous id it holds)."""
+        validation.user_id(from_user)
+        validation.user_id(to_user)
+        with self.connections.transaction() as db:
+            db["users"].insert({"id": to_user, "created": now()}, ignore=True)
+            return db.execute("update conversations set user_id = ? where user_id = ?",
+                              [to_user, from_user]).rowcount
+
     # --- conversations --------------------------------------------------------------------------
 
     def create_conversation(self, user_id: str, title: str = "New chat", system_prompt: str = "") -> dict:

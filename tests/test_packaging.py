@@ -10,6 +10,8 @@ def test_requirements_match_pyproject_dependencies():
     lines = [line.strip() for line in (ROOT / "requirements.txt").read_text().splitlines()]
     required = [line for line in lines if line and not line.startswith("#")]
     assert sorted(required) == sorted(declared)
+    # Gradio's OAuth routes import authlib and itsdangerous, which only its "oauth" extra brings.
+    assert any(line.startswith("gradio[oauth]") for line in required)
 
 
 def test_readme_front_matter_configures_the_space():

@@ -35,6 +35,12 @@ def test_the_spaces_owner_may_operate_and_no_one_else():
     assert not may_operate("0.0.0.0", "ada", None, {OWNER_ENV: ""})  # no owner set: no one by that way
 
 
+def test_on_a_space_a_loopback_bind_makes_no_visitor_the_operator():
+    env = {"SPACE_ID": "ada/pagedchat", OWNER_ENV: "ada"}
+    assert not may_operate("127.0.0.1", None, None, env) and not may_operate("127.0.0.1", "bob", None, env)
+    assert may_operate("127.0.0.1", "ada", None, env)
+
+
 def test_the_admin_token_lets_in_whoever_gives_it():
     env = {TOKEN_ENV: TOKEN}
     assert may_operate("0.0.0.0", None, TOKEN, env)

@@ -204,6 +204,17 @@ def test_deleting_a_user_deletes_everything_of_theirs(store, chat):
         store.delete_user("ada")
 
 
+def test_moving_conversations_gives_them_and_their_messages_to_the_other_user(store, chat):
+    bobs = store.conversations("bob")
+    assert store.move_conversations("ada", "hf:ada") == 1
+    assert store.conversations("ada") == [] and [c["id"] for c in store.conversations("hf:ada")] == [chat["id"]]
+    assert [m["content"] for m in store.messages("hf:ada", chat["id"])] == ["How are KV blocks allocated?", "From a free pool, one block at a time."]
+    with pytest.raises(NotFound):
+        store.messages("ada", chat["id"])
+    assert store.conversations("bob") == bobs and store.move_conversations("nobody", "hf:ada") == 0
+    assert [c["id"] for c in store.search("hf:ada", "blocks")] == [chat["id"]]
+
+
 def test_foreign_keys_are_enforced_on_every_connection(store, chat):
     def insert_orphan():
         store.db.execute("insert into messages (conversation_id, role, content, created) "

@@ -17,6 +17,7 @@ import gradio as gr
 from ui.backends.backend import ChatBackend
 from storage import Store
 from ui import identity, params, presets
+from ui.space import on_space
 from ui.conversation import ChatController, ChatInputError, ChatView, ReplyViews, checked_id
 from ui.sessions import Sessions, until_gone
 
@@ -77,6 +78,8 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
     def on_load(stored_id: str | None, profile: gr.OAuthProfile | None = None):
         browser_id = stored_id if identity.is_anonymous_id(stored_id) else identity.new_anonymous_id()
         user = identity.resolve_user(browser_id, profile)
+        if user != browser_id:
+            chat.adopt_anonymous(browser_id, user)
         return browser_id, user, conversation_list(user, None)
 
     # A reply's handlers are async generators: a reply waiting for its next token holds no
@@ -182,7 +185,7 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
 
         with gr.Sidebar():
             gr.Markdown("## PagedChat")
-            if identity.on_space():
+            if on_space():
                 gr.LoginButton()
             new_chat = gr.Button("➕ New chat", variant="primary")
             search = gr.Textbox(placeholder="Search your chats…", show_label=False, submit_btn=True)

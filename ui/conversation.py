@@ -213,6 +213,14 @@ class ChatController:
         # the partial reply on the thread that ran it; `after_stop` waits for its turn to end.
         self._turns = Turns()
 
+    def adopt_anonymous(self, anonymous_id: str, user: str) -> int:
+        """A browser signs in: the chats it wrote anonymously become the account's (the browser
+        holds the anonymous id, which is what owning them means). Returns how many moved; none
+        while one of them is still being replied to (the next page load moves them)."""
+        if anonymous_id == user or self._turns.in_progress(anonymous_id):
+            return 0
+        return self.store.move_conversations(anonymous_id, user)
+
     # ---- the sidebar and the open chat --------------------------------------------------------
     def conversation_choices(self, user: str, query: str = "") -> list[tuple[str, int]]:
         """(label, id) for each of the user's chats, or for the search hits when `query` is set."""

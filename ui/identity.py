@@ -3,20 +3,21 @@
 Every Store call is keyed by this id. An anonymous id is 128 random bits, so it works as a
 bearer secret: knowing it is what makes a browser its owner. A `hf:` id is only accepted from
 the server-side OAuth profile, never from what the browser claims.
+
+On a Space, signing in is offered, not required: a public demo that asks for an account first
+loses most of its visitors, and an anonymous visitor's chats are already private to their
+browser. Signing in moves the chats the browser wrote anonymously into the account (the browser
+holds their id, so they are the signer's to take), where they follow the user to other browsers;
+signing out leaves them with the account.
 """
 from __future__ import annotations
 
-import os
 import re
 import uuid
 
 import gradio as gr
 
 ANONYMOUS = re.compile(r"anon:[0-9a-f]{32}")
-
-
-def on_space() -> bool:
-    return bool(os.environ.get("SPACE_ID"))
 
 
 def new_anonymous_id() -> str:

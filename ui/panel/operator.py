@@ -3,7 +3,7 @@ a passing visitor.
 
 Sixty-four synthetic users starve real chats, so on a shared server (a team machine, a public
 Space) starting or stopping them is the operator's: whoever reaches an app bound to a loopback
-address (it is their own machine), the Space's owner signed in with Hugging Face, or whoever gives
+address (it is their own machine, unless it is a Space), the Space's owner signed in with Hugging Face, or whoever gives
 the admin token set in the environment. Everyone else sees no controls, and the handlers (the API
 included) refuse them.
 """
@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from engine import is_loopback
 
 TOKEN_ENV = "PAGEDCHAT_ADMIN_TOKEN"
+SPACE_ENV = "SPACE_ID"  # set on a Space, whose visitors all come through its proxy, whatever the bind
 OWNER_ENV = "SPACE_AUTHOR_NAME"  # set by Hugging Face on a Space: the user or org that owns it
 REFUSAL = ("The load generator is for the operator of this server: run the app on your own machine, "
            "sign in as the Space's owner, or give the admin token.")
@@ -24,7 +25,7 @@ def may_operate(bound_host: str | None, profile_username: str | None, given_toke
                 env: Mapping[str, str]) -> bool:
     """Whether this caller may start and stop the load generator (see the module's docstring).
     An unset or empty token or owner name lets no one in by that way."""
-    if is_loopback(bound_host):
+    if is_loopback(bound_host) and not env.get(SPACE_ENV):
         return True
     owner = env.get(OWNER_ENV) or ""
     if owner and profile_username and hmac.compare_digest(_bytes(profile_username), _bytes(owner)):

@@ -18,6 +18,7 @@ from ui.panel import view as panel_view
 from ui.panel.cluster_view import CLUSTER_CSS, cluster_html
 from ui.panel.load_generator import LOAD_SYSTEM_PROMPT, MAX_USERS, LoadGenerator
 from ui.panel.feed import PanelFeed
+from ui.space import on_space
 
 LOAD_PROMPTS = {"Long shared prompt (~300 tokens)": LOAD_SYSTEM_PROMPT,
                 **{name: text for name, text in presets.PRESETS.items() if text}}
@@ -49,6 +50,8 @@ def build_panel(backend: ChatBackend, feed: PanelFeed | None = None, load: LoadG
              "The serving engines this app chats through, refreshed every second: each one's figures from its "
              "own metrics, and its KV blocks where it publishes them.")
     gr.Markdown(f"## Engine panel\n{intro}")
+    if on_space(env):
+        gr.LoginButton()  # the Space's owner signs in here to run the load generator
     gr.Markdown("### Backends\nOne row per engine writing this app's replies, from what its metrics offer.")
     cluster = gr.HTML(cluster_html(backend.statuses(), time.time()), elem_id="cluster")
     names = [status.name for status in backend.statuses()]
