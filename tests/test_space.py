@@ -57,7 +57,7 @@ def space_environment(provider_url: str, port: int, model: str, db: pathlib.Path
 
 @pytest.fixture(scope="module")
 def space(provider, tiny_model_dir, tmp_path_factory):
-    """`python app.py` as a Space runs it; yields (url, database path, log path)."""
+    """`python app.py` as a Space runs it; yields (url, database path, log path, process)."""
     folder = tmp_path_factory.mktemp("space")
     port, db, log_path = free_port(), folder / "pagedchat.db", folder / "app.log"
     env = {**os.environ, **space_environment(provider.issuer, port, tiny_model_dir, db)}
@@ -78,7 +78,7 @@ def space(provider, tiny_model_dir, tmp_path_factory):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"app.py did not serve within {START_TIMEOUT_S} s: {log_path.read_text()[-3000:]}")
             time.sleep(0.2)
-        yield url, db, log_path
+        yield url, db, log_path, process
     finally:
         process.terminate()
         try:
@@ -142,7 +142,7 @@ def owners(db: pathlib.Path) -> dict[str, int]:
 
 
 def test_sign_in_as_two_users_and_the_owner(space, provider, browser):  # noqa: F811
-    url, db, log_path = space
+    url, db, log_path, _ = space
     visitor = Browser(browser, url)
     page = visitor.open()
 
@@ -190,3 +190,14 @@ def test_sign_in_as_two_users_and_the_owner(space, provider, browser):  # noqa: 
     assert page_errors(visitor) == []
     log = log_path.read_text()
     assert not [word for word in ("Traceback", "ERROR", "Error", "Warning") if word in log], log[-3000:]
+
+
+def test_sigterm_stops_the_app_cleanly(space):
+    """A Space stops its app with SIGTERM: the app exits 0 through its own shutdown (the engine
+    stopped, the last database backup taken), not killed by the signal uvicorn re-raises."""
+    *_, log_path, process = space
+    process.terminate()
+    assert process.wait(timeout=30) == 0
+    # What uvicorn logs for each page's event stream still open after the grace period, and nothing else.
+    log = log_path.read_text()
+    assert log.count("Traceback") == log.count("CancelledError: Task cancelled, timeout graceful shutdown exceeded"), log[-4000:]

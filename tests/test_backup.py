@@ -1,0 +1,187 @@
+"""Backups of the chat database (storage/backup.py, storage/hub_backup.py), with real files: the
+snapshot is consistent while replies are being written, a restore brings back every finished
+reply, and a hub that cannot be reached never blocks or breaks the chat."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sqlite3
+import threading
+import time
+
+import pytest
+from served_app import free_port
+
+from storage import Store
+from storage.backup import SNAPSHOT_NAME, BackupLoop, CorruptSnapshot, integrity_problem, restore, snapshot
+from storage.hub_backup import from_environment, start_hub_backup
+
+NOWHERE = f"http://127.0.0.1:{free_port()}"  # a hub address where nothing listens
+
+
+def write_chats(store: Store, user: str, chats: int, turns: int = 2) -> dict[int, list[str]]:
+    """Chats of `turns` user/assistant exchanges; {conversation id: contents in order}."""
+    written = {}
+    for c in range(chats):
+        chat = store.create_conversation(user, title=f"{user} chat {c}")
+        contents = []
+        for t in range(turns):
+            for role in ("user", "assistant"):
+                text = f"{user} {c}.{t} {role}"
+                store.add_message(user, chat["id"], role, text)
+                contents.append(text)
+        written[chat["id"]] = contents
+    return written
+
+
+def all_messages(store: Store, user: str) -> dict[int, list[str]]:
+    return {c["id"]: [m["content"] for m in store.messages(user, c["id"])] for c in store.conversations(user)}
+
+
+def remove_database(path) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(f"{path}{suffix}"):
+            os.unlink(f"{path}{suffix}")
+
+
+def test_a_snapshot_taken_while_replies_are_written_is_always_consistent(tmp_path):
+    store = Store(tmp_path / "chat.db")
+    stop = threading.Event()
+
+    def writer(user: str) -> None:
+        chat = store.create_conversation(user, title="busy")
+        i = 0
+        while not stop.is_set():
+            # A turn is two writes; a reply's text grows with i so pages split and move.
+            store.add_message(user, chat["id"], "user", f"question {i}")
+            store.add_message(user, chat["id"], "assistant", f"answer {i} " + "x" * (i % 500))
+            i += 1
+
+    writers = [threading.Thread(target=writer, args=(f"user{n}",)) for n in range(3)]
+    for thread in writers:
+        thread.start()
+    try:
+        for n in range(15):
+            time.sleep(0.05)
+            copy = snapshot(store.path, tmp_path / "snapshots")
+            assert integrity_problem(copy) is None
+            with sqlite3.connect(copy) as connection:
+                assert connection.execute("pragma foreign_key_check").fetchall() == []
+                rows = connection.execute("select conversation_id, role, content from messages order by id").fetchall()
+            per_chat: dict[int, list[tuple[str, str]]] = {}
+            for conversation_id, role, content in rows:
+                per_chat.setdefault(conversation_id, []).append((role, content))
+            for turns in per_chat.values():  # every chat's messages in order, none skipped
+                for i, (role, content) in enumerate(turns):
+                    kind, number = ("question", i // 2) if i % 2 == 0 else ("answer", i // 2)
+                    assert role == ("user" if kind == "question" else "assistant")
+                    assert content.split()[:2] == [kind, str(number)]
+            assert not (copy.parent / (SNAPSHOT_NAME + "-wal")).exists()  # a self-contained file
+    finally:
+        stop.set()
+        for thread in writers:
+            thread.join()
+    assert len(rows) > 0
+    store.close()
+
+
+def test_a_restore_brings_back_every_finished_reply(tmp_path):
+    db = tmp_path / "data" / "chat.db"
+    with Store(db) as store:
+        written = {user: write_chats(store, user, chats=4) for user in ("anon:" + "a" * 32, "hf:ada")}
+        copy = snapshot(db, tmp_path / "backup")
+    remove_database(db)
+    assert restore(copy, db)
+    with Store(db) as store:
+        assert {user: all_messages(store, user) for user in written} == written
+        assert len(store.search("hf:ada", "assistant")) == 4
+
+
+def test_a_restore_never_overwrites_a_database_and_refuses_a_corrupt_snapshot(tmp_path):
+    db, other = tmp_path / "chat.db", tmp_path / "other.db"
+    with Store(other) as store:
+        write_chats(store, "hf:ada", chats=1)
+    with Store(db) as store:
+        write_chats(store, "hf:bob", chats=2)
+        before = all_messages(store, "hf:bob")
+    copy = snapshot(other, tmp_path / "backup")
+    assert not restore(copy, db)  # the live database stays
+    with Store(db) as store:
+        assert all_messages(store, "hf:bob") == before and store.conversations("hf:ada") == []
+    assert not restore(tmp_path / "no-such-snapshot.db", tmp_path / "new.db")
+
+    data = bytearray(copy.read_bytes())
+    data[200:4096] = b"\xff" * (4096 - 200)  # the first page's b-tree, past the 100-byte header
+    copy.write_bytes(bytes(data))
+    with pytest.raises(CorruptSnapshot, match="integrity check"):
+        restore(copy, tmp_path / "new.db")
+    assert not (tmp_path / "new.db").exists()
+
+
+def test_the_loop_snapshots_changes_only_and_survives_a_failing_snapshot(tmp_path, caplog):
+    db, folder = tmp_path / "chat.db", tmp_path / "backup"
+    store = Store(db)
+    loop = BackupLoop(db, folder, interval_s=3600)  # ticks by hand below
+    try:
+        assert loop.take_if_changed() and not loop.take_if_changed()  # nothing new: no snapshot
+        write_chats(store, "hf:ada", chats=1)
+        assert loop.take_if_changed() and loop.snapshots == 2
+
+        shutil.rmtree(folder)
+        folder.write_text("a file where the snapshot folder should be")  # a real failure, even for root
+        write_chats(store, "hf:ada", chats=1)
+        with caplog.at_level(logging.ERROR, logger="pagedchat.backup"):
+            assert not loop.take_if_changed()
+        assert loop.failures == 1 and "snapshot" in caplog.text
+        write_chats(store, "hf:ada", chats=1)  # the chat goes on
+        folder.unlink()
+        assert loop.take_if_changed()  # and the next tick catches up
+    finally:
+        loop.stop()
+    with sqlite3.connect(folder / SNAPSHOT_NAME) as connection:
+        assert connection.execute("select count(*) from conversations").fetchone() == (3,)
+    store.close()
+
+
+def test_an_unreachable_hub_never_blocks_or_breaks_the_chat(tmp_path, caplog):
+    db = tmp_path / "data" / "chat.db"
+    with Store(db) as store:
+        written = write_chats(store, "hf:ada", chats=2)
+        started = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="pagedchat.backup"):
+            backup = start_hub_backup(db, "ada/pagedchat-backups", "hf_not_a_token", endpoint=NOWHERE)
+        assert time.monotonic() - started < 5
+        assert backup.scheduler is None and "cannot reach the backup repository" in caplog.text
+        written.update(write_chats(store, "hf:ada", chats=1))  # the chat goes on
+        started = time.monotonic()
+        backup.close(wait_s=5)
+        assert time.monotonic() - started < 5
+        assert all_messages(store, "hf:ada") == written
+    with Store(db.parent / "backup" / SNAPSHOT_NAME) as copy:  # snapshots are still taken, locally
+        assert all_messages(copy, "hf:ada") == written
+
+
+def test_a_failed_restore_starts_empty_and_never_uploads_over_the_repos_copy(tmp_path, caplog):
+    """The hub unreachable at start, after huggingface_hub's own retries (~25 s): the app starts
+    with an empty database, whose upload would replace everyone's chats in the repo."""
+    db = tmp_path / "data" / "chat.db"
+    started = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="pagedchat.backup"):
+        backup = start_hub_backup(db, "ada/pagedchat-backups", "hf_not_a_token", endpoint=NOWHERE)
+    assert time.monotonic() - started < 60
+    assert not db.exists() and backup.scheduler is None and "no database restored" in caplog.text
+    with Store(db) as store:
+        written = write_chats(store, "hf:ada", chats=1)
+        backup.close(wait_s=5)
+    with Store(db.parent / "backup" / SNAPSHOT_NAME) as copy:
+        assert all_messages(copy, "hf:ada") == written
+
+
+def test_the_environment_turns_the_backup_on_and_says_what_is_missing(tmp_path):
+    assert from_environment(tmp_path / "chat.db", {}) is None
+    with pytest.raises(ValueError, match="HF_TOKEN is not"):
+        from_environment(tmp_path / "chat.db", {"PAGEDCHAT_BACKUP_REPO": "ada/backups"})
+    with pytest.raises(ValueError, match="positive number of minutes"):
+        from_environment(tmp_path / "chat.db", {"PAGEDCHAT_BACKUP_REPO": "ada/backups", "HF_TOKEN": "t",
+                                                "PAGEDCHAT_BACKUP_MINUTES": "soon"})
