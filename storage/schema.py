@@ -68,6 +68,21 @@ def add_message_backend(db: Database) -> None:
     db.execute("alter table messages add column backend text")
 
 
+@migrations()
+def add_message_branches(db: Database) -> None:
+    """Version 4: branches. A message's `parent_id` is the message it follows (NULL for a
+    conversation's first); regenerating a reply or editing a message adds a sibling instead of
+    deleting, and `conversations.leaf_id` marks the end of the branch shown. Existing messages
+    become one branch: each follows the one before it."""
+    db.execute("alter table messages add column parent_id integer references messages(id) on delete cascade")
+    db.execute("alter table conversations add column leaf_id integer references messages(id) on delete set null")
+    db.execute("""update messages set parent_id = (
+        select max(earlier.id) from messages earlier
+        where earlier.conversation_id = messages.conversation_id and earlier.id < messages.id)""")
+    db.execute("update conversations set leaf_id = (select max(id) from messages where conversation_id = conversations.id)")
+    db["messages"].create_index(["parent_id"])
+
+
 def migrate(db: Database, steps: Migrations = migrations) -> None:
     """Apply pending migrations in one write transaction, so that two processes opening the
     same file at once cannot both apply them."""

@@ -34,6 +34,21 @@ class NotFound(KeyError):
 
 # Full-text search: both tables carry an FTS5 index that triggers keep in step with every
 # insert, update and delete (cascades included).
+BRANCH_SQL = """
+with recursive branch(id, depth) as (  -- from the leaf up to the conversation's first message
+    select :leaf, 0
+    union all
+    select messages.parent_id, branch.depth + 1 from messages join branch on messages.id = branch.id
+    where messages.parent_id is not null
+)
+select messages.*,
+       (select count(*) from messages sibling where sibling.conversation_id = messages.conversation_id
+          and sibling.parent_id is messages.parent_id and sibling.id <= messages.id) as version,
+       (select count(*) from messages sibling where sibling.conversation_id = messages.conversation_id
+          and sibling.parent_id is messages.parent_id) as versions
+from branch join messages on messages.id = branch.id
+order by branch.depth desc
+"""
 SEARCH_SQL = """
 with hits as (
     select conversations.id as conversation_id, messages_fts.rank as rank,
@@ -168,51 +183,72 @@ class Store:
 
     def add_message(self, user_id: str, conversation_id: int, role: str, content: str,
                     **metrics) -> dict:
-        """Append a message. Metrics: prompt_tokens, cached_tokens, completion_tokens, ttft_s,
-        tokens_per_s, finish_reason, stopped (a reply the user stopped: store the text they
-        saw; its finish_reason is "abort"), backend (the server that wrote it)."""
+        """Append a message to the branch shown. Metrics: prompt_tokens, cached_tokens,
+        completion_tokens, ttft_s, tokens_per_s, finish_reason, stopped (a reply the user
+        stopped: store the text they saw; its finish_reason is "abort"), backend (the server
+        that wrote it)."""
         row = {"role": validation.role(role), "content": validation.content(content),
                **validation.metrics(metrics)}
         with self.connections.transaction() as db:
-            owned_conversation(db, user_id, conversation_id)
-            return self._append(db, conversation_id, row)
+            conversation = owned_conversation(db, user_id, conversation_id)
+            return self._append(db, conversation_id, row, parent_id=conversation["leaf_id"])
 
     def messages(self, user_id: str, conversation_id: int) -> list[dict]:
-        """The conversation's messages, oldest first."""
+        """The branch shown, oldest first. Each message carries `version` and `versions`: its
+        place among the messages that follow the same one (a reply and its regenerations, a
+        message and its edits), for a `‹ 2/3 ›`."""
         with self.connections.reading() as db:
-            owned_conversation(db, user_id, conversation_id)
-            rows = db["messages"].rows_where("conversation_id = ?", [conversation_id], order_by="id")
-            return [_message(row) for row in rows]
+            leaf_id = owned_conversation(db, user_id, conversation_id)["leaf_id"]
+            return [_message(row) for row in db.query(BRANCH_SQL, {"leaf": leaf_id})] if leaf_id else []
 
     def replace_last_assistant(self, user_id: str, conversation_id: int, content: str,
                                **metrics) -> dict:
-        """Swap the conversation's final reply for a regenerated one, in one transaction."""
+        """A regenerated reply: a new version of the branch's final reply, shown in its place;
+        the earlier versions are kept (`show_version` goes back to one)."""
         row = {"role": "assistant", "content": validation.content(content),
                **validation.metrics(metrics)}
         with self.connections.transaction() as db:
-            owned_conversation(db, user_id, conversation_id)
-            last = _last_message(db, conversation_id)
-            if last is None or last["role"] != "assistant":
+            leaf = _leaf(db, owned_conversation(db, user_id, conversation_id))
+            if leaf is None or leaf["role"] != "assistant":
                 raise NotFound("assistant reply at the end of conversation", conversation_id)
-            db["messages"].delete(last["id"])
-            return self._append(db, conversation_id, row)
+            return self._append(db, conversation_id, row, parent_id=leaf["parent_id"])
 
-    def edit_last_user_message(self, user_id: str, conversation_id: int, content: str) -> dict:
-        """Replace the user's last message, dropping the reply that followed it, so that the
-        edited message can be sent again."""
+    def edit_message(self, user_id: str, conversation_id: int, message_id: int, content: str) -> dict:
+        """A new version of one of the user's messages, anywhere in the conversation: the branch
+        shown forks there and ends with it, to be answered; what followed the old version is kept
+        on its own branch."""
         row = {"role": "user", "content": validation.content(content), **validation.metrics({})}
         with self.connections.transaction() as db:
             owned_conversation(db, user_id, conversation_id)
-            last_user = _last_message(db, conversation_id, role="user")
-            if last_user is None:
-                raise NotFound("user message in conversation", conversation_id)
-            db.execute("delete from messages where conversation_id = ? and id >= ?",
-                       [conversation_id, last_user["id"]])
-            return self._append(db, conversation_id, row)
+            original = _conversation_message(db, conversation_id, message_id)
+            if original["role"] != "user":
+                raise ValueError(f"only the user's own messages can be edited; message {message_id} is the "
+                                 f"{original['role']}'s")
+            return self._append(db, conversation_id, row, parent_id=original["parent_id"])
 
-    def _append(self, db: Database, conversation_id: int, row: dict) -> dict:
-        row = {**row, "conversation_id": conversation_id, "created": now()}
+    def edit_last_user_message(self, user_id: str, conversation_id: int, content: str) -> dict:
+        """`edit_message` on the last user message of the branch shown."""
+        last_user = next((m for m in reversed(self.messages(user_id, conversation_id)) if m["role"] == "user"), None)
+        if last_user is None:
+            raise NotFound("user message in conversation", conversation_id)
+        return self.edit_message(user_id, conversation_id, last_user["id"], content)
+
+    def show_version(self, user_id: str, conversation_id: int, message_id: int) -> list[dict]:
+        """Show the branch through `message_id` (one version of a message): it continues down the
+        newest message after each one, as the conversation last went on from there. Returns the
+        branch now shown, as `messages` does."""
+        with self.connections.transaction() as db:
+            owned_conversation(db, user_id, conversation_id)
+            leaf_id = _conversation_message(db, conversation_id, message_id)["id"]
+            while (child := db.execute("select max(id) from messages where parent_id = ?", [leaf_id]).fetchone()[0]):
+                leaf_id = child
+            db["conversations"].update(conversation_id, {"leaf_id": leaf_id})
+        return self.messages(user_id, conversation_id)
+
+    def _append(self, db: Database, conversation_id: int, row: dict, parent_id: int | None) -> dict:
+        row = {**row, "conversation_id": conversation_id, "parent_id": parent_id, "created": now()}
         message_id = db["messages"].insert(row).last_pk
+        db["conversations"].update(conversation_id, {"leaf_id": message_id})
         self._touch(db, conversation_id)
         return _message(db["messages"].get(message_id))
 
@@ -245,12 +281,16 @@ def _message(row: dict) -> dict:
     return {**row, "stopped": bool(row["stopped"])}
 
 
-def _last_message(db: Database, conversation_id: int, role: str | None = None) -> dict | None:
-    """The conversation's last message (of `role`, if given), or None."""
-    where, args = "conversation_id = ?", [conversation_id]
-    if role is not None:
-        where, args = where + " and role = ?", args + [role]
-    return next(db["messages"].rows_where(where, args, order_by="id desc", limit=1), None)
+def _leaf(db: Database, conversation: dict) -> dict | None:
+    """The last message of the branch shown, or None in an empty conversation."""
+    return db["messages"].get(conversation["leaf_id"]) if conversation["leaf_id"] else None
+
+
+def _conversation_message(db: Database, conversation_id: int, message_id: int) -> dict:
+    rows = list(db["messages"].rows_where("id = ? and conversation_id = ?", [message_id, conversation_id]))
+    if not rows:
+        raise NotFound("message in conversation", message_id)
+    return rows[0]
 
 
 def fts_words(query: str) -> str:

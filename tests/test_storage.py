@@ -98,21 +98,59 @@ def test_conversations_are_listed_most_recently_updated_first(store):
     assert c["id"] > b["id"] > a["id"]
 
 
-def test_regenerating_replaces_the_last_reply(store, chat):
+def branch(store, chat_id, user="ada"):
+    return [(m["content"], m["version"], m["versions"]) for m in store.messages(user, chat_id)]
+
+
+def test_regenerating_shows_a_new_version_of_the_last_reply_and_keeps_the_old(store, chat):
     new = store.replace_last_assistant("ada", chat["id"], "Blocks come from a pool.", finish_reason="stop")
-    assert [m["content"] for m in store.messages("ada", chat["id"])] == [
-        "How are KV blocks allocated?", "Blocks come from a pool."]
+    assert branch(store, chat["id"]) == [("How are KV blocks allocated?", 1, 1), ("Blocks come from a pool.", 2, 2)]
     assert new["finish_reason"] == "stop"
+    first = store.messages("ada", chat["id"])[0]
+    old = [m for m in store.db["messages"].rows_where("content = ?", ["From a free pool, one block at a time."])]
+    assert store.show_version("ada", chat["id"], old[0]["id"])[-1]["content"] == "From a free pool, one block at a time."
+    assert branch(store, chat["id"])[-1] == ("From a free pool, one block at a time.", 1, 2)
+    assert store.messages("ada", chat["id"])[0] == first
     store.add_message("ada", chat["id"], "user", "And freed?")
     with pytest.raises(NotFound, match="assistant reply"):
         store.replace_last_assistant("ada", chat["id"], "no reply to replace")
 
 
-def test_editing_the_last_user_message_drops_the_reply_after_it(store, chat):
+def test_editing_any_user_message_forks_there_and_keeps_what_followed_the_old_one(store, chat):
+    store.add_message("ada", chat["id"], "user", "And freed?")
+    store.add_message("ada", chat["id"], "assistant", "When the request ends.")
+    first = store.messages("ada", chat["id"])[0]
+    edited = store.edit_message("ada", chat["id"], first["id"], "How big is a KV block?")
+    assert edited["role"] == "user"
+    assert branch(store, chat["id"]) == [("How big is a KV block?", 2, 2)]  # to be answered
+    store.add_message("ada", chat["id"], "assistant", "Sixteen tokens.")
+    assert branch(store, chat["id"]) == [("How big is a KV block?", 2, 2), ("Sixteen tokens.", 1, 1)]
+    # Back to the first version: the conversation as it went on from there, all four messages.
+    assert [m["content"] for m in store.show_version("ada", chat["id"], first["id"])] == [
+        "How are KV blocks allocated?", "From a free pool, one block at a time.", "And freed?",
+        "When the request ends."]
+    assert branch(store, chat["id"])[0] == ("How are KV blocks allocated?", 1, 2)
+    assert count(store, "messages") == 6  # nothing was deleted
+    with pytest.raises(ValueError, match="only the user's own messages"):
+        store.edit_message("ada", chat["id"], store.messages("ada", chat["id"])[1]["id"], "I said so")
+
+
+def test_editing_the_last_user_message_forks_before_its_reply(store, chat):
     edited = store.edit_last_user_message("ada", chat["id"], "How are KV blocks freed?")
     assert [(m["role"], m["content"]) for m in store.messages("ada", chat["id"])] == [
         ("user", "How are KV blocks freed?")]
-    assert edited["role"] == "user"
+    assert edited["role"] == "user" and count(store, "messages") == 3
+
+
+def test_a_version_is_shown_only_within_its_own_conversation(store, chat):
+    other = store.create_conversation("ada", title="other")
+    mine = store.messages("ada", chat["id"])[0]["id"]
+    with pytest.raises(NotFound, match="message in conversation"):
+        store.show_version("ada", other["id"], mine)
+    with pytest.raises(NotFound, match="message in conversation"):
+        store.edit_message("ada", other["id"], mine, "moved?")
+    with pytest.raises(NotFound, match="conversation"):
+        store.show_version("bob", chat["id"], mine)
 
 
 @pytest.mark.parametrize("call, error", [
@@ -175,7 +213,8 @@ def test_search_follows_renames_edits_and_deletes(store, chat):
     assert store.search("ada", "attention") == []
     assert [c["title"] for c in store.search("ada", "memory")] == ["Memory"]
     store.replace_last_assistant("ada", chat["id"], "Lazily.")
-    assert store.search("ada", "pool") == []
+    assert [c["id"] for c in store.search("ada", "lazily")] == [chat["id"]]
+    assert [c["id"] for c in store.search("ada", "pool")] == [chat["id"]]  # an earlier version, still there
     store.delete_conversation("ada", chat["id"])
     assert store.search("ada", "allocated") == [] and store.search("ada", "memory") == []
 
@@ -318,12 +357,12 @@ def test_an_empty_database_is_upgraded_and_reopening_changes_nothing(tmp_path):
     with Database(path) as db:
         assert storage.schema_version(db) == 0
     with Store(path) as s:
-        assert storage.schema_version(s.db) == 3
+        assert storage.schema_version(s.db) == 4
         c = s.create_conversation("ada", title="kept")
         s.add_message("ada", c["id"], "user", "still here")
     with Store(path) as s:
-        assert storage.schema_version(s.db) == 3
-        assert s.db.execute("select count(*) from _sqlite_migrations").fetchone()[0] == 3
+        assert storage.schema_version(s.db) == 4
+        assert s.db.execute("select count(*) from _sqlite_migrations").fetchone()[0] == 4
         assert [m["content"] for m in s.messages("ada", c["id"])] == ["still here"]
         assert [x["title"] for x in s.search("ada", "still")] == ["kept"]
 
@@ -336,6 +375,7 @@ def test_a_later_migration_upgrades_an_existing_database(tmp_path):
     later()(storage.schema.create_tables)
     later()(storage.schema.drop_conversation_model)
     later()(storage.schema.add_message_backend)
+    later()(storage.schema.add_message_branches)
 
     @later()
     def add_pinned(db):
@@ -344,7 +384,7 @@ def test_a_later_migration_upgrades_an_existing_database(tmp_path):
     db = storage.connect(path)
     storage.migrate(db, later)
     storage.migrate(db, later)  # idempotent
-    assert storage.schema_version(db, later) == 4
+    assert storage.schema_version(db, later) == 5
     db.close()
     with Store(path) as s:
         assert s.conversation("ada", c["id"])["pinned"] == 0
@@ -369,13 +409,17 @@ def test_a_version_1_database_loses_the_model_column_and_keeps_every_row(tmp_pat
     db.close()
 
     with Store(path) as s:
-        assert storage.schema_version(s.db) == 3
+        assert storage.schema_version(s.db) == 4
         assert "model" not in s.db["conversations"].columns_dict
         assert list(s.db["users"].rows) == before["users"]
-        assert list(s.db["messages"].rows) == [{**m, "backend": None} for m in before["messages"]]  # version 3
+        question, answer = before["messages"]
+        assert list(s.db["messages"].rows) == [  # version 3's backend; version 4's branch, in the old order
+            {**question, "backend": None, "parent_id": None}, {**answer, "backend": None, "parent_id": question["id"]}]
         [old] = before["conversations"]
         del old["model"]
-        assert s.conversations("ada") == [old]
+        assert s.conversations("ada") == [{**old, "leaf_id": answer["id"]}]
+        assert [(m["content"], m["version"], m["versions"]) for m in s.messages("ada", 7)] == [
+            ("How are KV blocks allocated?", 1, 1), ("From a free pool.", 1, 1)]
         assert [c["id"] for c in s.search("ada", "blocks")] == [7]      # the FTS triggers survive
         assert [c["id"] for c in s.search("ada", "attention")] == [7]
         s.add_message("ada", 7, "assistant", "And freed on finish.")
