@@ -23,6 +23,31 @@ LAST_UPLOAD_WAIT_S = 30.0
 log = logging.getLogger("pagedchat.backup")
 
 
+def snapshot_scheduler(**kwargs):
+    """huggingface_hub's `CommitScheduler`, uploading the one snapshot file whole. The library's
+    own upload lists files under its lock but opens them after releasing it, expecting files
+    that only grow; a snapshot is replaced whole, so this one reads it under the lock."""
+    from huggingface_hub import CommitOperationAdd, CommitScheduler
+
+    class SnapshotScheduler(CommitScheduler):
+        uploaded: int | None = None  # the mtime (ns) of the snapshot last uploaded
+
+        def push_to_hub(self):
+            path = self.folder_path / SNAPSHOT_NAME
+            with self.lock:
+                if not path.exists() or path.stat().st_mtime_ns == self.uploaded:
+                    return None
+                stamp, data = path.stat().st_mtime_ns, path.read_bytes()
+            info = self.api.create_commit(
+                repo_id=self.repo_id, repo_type=self.repo_type, revision=self.revision,
+                operations=[CommitOperationAdd(path_in_repo=SNAPSHOT_NAME, path_or_fileobj=data)],
+                commit_message="PagedChat database snapshot")
+            self.uploaded = stamp
+            return info
+
+    return SnapshotScheduler(**kwargs)
+
+
 class HubBackup:
     """The running backup: `close()` takes a last snapshot and tries a last upload."""
 
@@ -48,16 +73,15 @@ def start_hub_backup(db_path: str | os.PathLike, repo_id: str, token: str, folde
     """Restore `db_path` from the dataset repo `repo_id` if it is missing, then back it up there.
     `folder`: where snapshots wait for upload (default: `backup/` beside the database);
     `endpoint`: the hub's address (default: huggingface_hub's, $HF_ENDPOINT)."""
-    from huggingface_hub import CommitScheduler, HfApi
+    from huggingface_hub import HfApi
 
     db_path = Path(db_path)
     folder = Path(folder) if folder is not None else db_path.parent / "backup"
     scheduler = None
     if db_path.exists() or restore_from_hub(db_path, repo_id, token, folder.with_name(folder.name + "-restore"), endpoint):
         try:
-            scheduler = CommitScheduler(repo_id=repo_id, repo_type="dataset", folder_path=folder,
-                                        every=every_minutes, private=True, allow_patterns=[SNAPSHOT_NAME],
-                                        hf_api=HfApi(endpoint=endpoint, token=token))
+            scheduler = snapshot_scheduler(repo_id=repo_id, repo_type="dataset", folder_path=folder,
+                                           every=every_minutes, private=True, hf_api=HfApi(endpoint=endpoint, token=token))
         except Exception:  # noqa: BLE001
             log.exception("cannot reach the backup repository %s; snapshots stay local until a restart", repo_id)
     loop = BackupLoop(db_path, folder, min(SNAPSHOT_EVERY_S, every_minutes * 60),

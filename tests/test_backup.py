@@ -3,6 +3,8 @@ snapshot is consistent while replies are being written, a restore brings back ev
 reply, and a hub that cannot be reached never blocks or breaks the chat."""
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
 import shutil
@@ -11,13 +13,53 @@ import threading
 import time
 
 import pytest
-from served_app import free_port
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from served_app import Served, free_port
 
 from storage import Store
 from storage.backup import SNAPSHOT_NAME, BackupLoop, CorruptSnapshot, integrity_problem, restore, snapshot
 from storage.hub_backup import from_environment, start_hub_backup
 
 NOWHERE = f"http://127.0.0.1:{free_port()}"  # a hub address where nothing listens
+REPO = "ada/pagedchat-backups"
+
+
+class FakeHub:
+    """The hub routes a backup uses (download a file, create the repo, pre-upload, commit), on a
+    real loopback server. With `failing`, downloads and uploads are refused (403, as for a token
+    without the rights), which huggingface_hub does not retry."""
+
+    def __init__(self, failing: bool) -> None:
+        self.failing, self.files = failing, {}
+        app = FastAPI()
+
+        @app.post("/api/repos/create")
+        async def create(request: Request):
+            body = await request.json()
+            return {"url": f"{self.url}/datasets/{body['organization']}/{body['name']}"}
+
+        @app.api_route("/datasets/{owner}/{name}/resolve/{revision}/{filename}", methods=["GET", "HEAD"])
+        async def download(owner: str, name: str, revision: str, filename: str):
+            return JSONResponse({"error": "this token may not read here"}, status_code=403)
+
+        @app.post("/api/datasets/{owner}/{name}/preupload/{revision}")
+        async def preupload(owner: str, name: str, revision: str, request: Request):
+            if self.failing:
+                return JSONResponse({"error": "this token may not write here"}, status_code=403)
+            files = (await request.json())["files"]
+            return {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
+
+        @app.post("/api/datasets/{owner}/{name}/commit/{revision}")
+        async def commit(owner: str, name: str, revision: str, request: Request):
+            for line in (await request.body()).decode().splitlines():
+                item = json.loads(line)
+                if item["key"] == "file":
+                    self.files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+            return {"commitUrl": f"{self.url}/datasets/{owner}/{name}/commit/{'0' * 40}", "commitOid": "0" * 40}
+
+        self.served = Served(app)
+        self.url = self.served.url.rstrip("/")
 
 
 def write_chats(store: Store, user: str, chats: int, turns: int = 2) -> dict[int, list[str]]:
@@ -163,17 +205,19 @@ def test_an_unreachable_hub_never_blocks_or_breaks_the_chat(tmp_path, caplog):
 
 
 def test_a_failed_restore_starts_empty_and_never_uploads_over_the_repos_copy(tmp_path, caplog):
-    """The hub unreachable at start, after huggingface_hub's own retries (~25 s): the app starts
-    with an empty database, whose upload would replace everyone's chats in the repo."""
+    """The snapshot cannot be read at start: the app starts with an empty database, whose upload
+    would replace everyone's chats in the repo, so it is backed up locally only."""
+    hub = FakeHub(failing=True)
     db = tmp_path / "data" / "chat.db"
-    started = time.monotonic()
-    with caplog.at_level(logging.ERROR, logger="pagedchat.backup"):
-        backup = start_hub_backup(db, "ada/pagedchat-backups", "hf_not_a_token", endpoint=NOWHERE)
-    assert time.monotonic() - started < 60
-    assert not db.exists() and backup.scheduler is None and "no database restored" in caplog.text
-    with Store(db) as store:
-        written = write_chats(store, "hf:ada", chats=1)
-        backup.close(wait_s=5)
+    try:
+        with caplog.at_level(logging.ERROR, logger="pagedchat.backup"):
+            backup = start_hub_backup(db, REPO, "hf_token", endpoint=hub.url)
+        assert not db.exists() and backup.scheduler is None and "no database restored" in caplog.text
+        with Store(db) as store:
+            written = write_chats(store, "hf:ada", chats=1)
+            backup.close(wait_s=5)
+    finally:
+        hub.served.close()
     with Store(db.parent / "backup" / SNAPSHOT_NAME) as copy:
         assert all_messages(copy, "hf:ada") == written
 
@@ -185,3 +229,36 @@ def test_the_environment_turns_the_backup_on_and_says_what_is_missing(tmp_path):
     with pytest.raises(ValueError, match="positive number of minutes"):
         from_environment(tmp_path / "chat.db", {"PAGEDCHAT_BACKUP_REPO": "ada/backups", "HF_TOKEN": "t",
                                                 "PAGEDCHAT_BACKUP_MINUTES": "soon"})
+
+
+@pytest.mark.parametrize("failing", [False, True])
+def test_the_scheduler_uploads_the_snapshot_and_a_failing_upload_breaks_nothing(tmp_path, caplog, failing):
+    hub = FakeHub(failing)
+    db = tmp_path / "data" / "chat.db"
+    try:
+        with Store(db) as store:
+            written = write_chats(store, "hf:ada", chats=2)
+            backup = start_hub_backup(db, REPO, "hf_token", endpoint=hub.url)
+            assert backup.scheduler is not None and backup.loop.take_if_changed()
+            upload = backup.scheduler.trigger()
+            written.update(write_chats(store, "hf:ada", chats=1))  # the chat goes on meanwhile
+            if failing:
+                with pytest.raises(Exception, match="403"):
+                    upload.result(timeout=60)
+            else:
+                upload.result(timeout=60)
+                assert backup.scheduler.trigger().result(timeout=60) is None  # unchanged: nothing sent
+            started = time.monotonic()
+            with caplog.at_level(logging.ERROR, logger="pagedchat.backup"):
+                backup.close(wait_s=5)  # a last snapshot (the third chat) and a last upload
+            assert time.monotonic() - started < 10
+            assert all_messages(store, "hf:ada") == written
+    finally:
+        hub.served.close()
+    if failing:
+        assert hub.files == {} and "last upload of the database" in caplog.text
+    else:
+        (tmp_path / "uploaded.db").write_bytes(hub.files[SNAPSHOT_NAME])
+        assert restore(tmp_path / "uploaded.db", tmp_path / "restored.db")
+        with Store(tmp_path / "restored.db") as restored:
+            assert all_messages(restored, "hf:ada") == written
