@@ -44,10 +44,15 @@ def snapshot(db_path: str | os.PathLike, folder: str | os.PathLike,
 def restore(snapshot_path: str | os.PathLike, db_path: str | os.PathLike) -> bool:
     """Put the snapshot in place as the database, only if there is none yet (a live database is
     never overwritten). Returns whether it restored; raises `CorruptSnapshot` for a snapshot that
-    fails the integrity check rather than start the app on it."""
+    fails the integrity check rather than start the app on it, and FileExistsError when a deleted
+    database's write-ahead log (or rollback journal) is still beside `db_path`: SQLite would apply
+    its pages to the restored file, which would then pass the integrity check with the wrong chats."""
     snapshot_path, db_path = Path(snapshot_path), Path(db_path)
     if db_path.exists() or not snapshot_path.exists():
         return False
+    for leftover in (db_path.with_name(db_path.name + suffix) for suffix in ("-wal", "-journal")):
+        if leftover.exists():
+            raise FileExistsError(f"{leftover} is left from a deleted database; move it away to restore {db_path}")
     problem = integrity_problem(snapshot_path)
     if problem:
         raise CorruptSnapshot(f"the snapshot {snapshot_path} fails SQLite's integrity check: {problem}")
@@ -77,7 +82,9 @@ class BackupLoop:
         self.db_path, self.folder, self.interval_s, self.lock = Path(db_path), Path(folder), interval_s, lock
         self.snapshots = 0
         self.failures = 0
-        self._taken: tuple | None = None
+        self._taken: int | None = None  # the data_version the last snapshot saw
+        self._watch: sqlite3.Connection | None = None
+        self._lock = threading.Lock()  # the thread's tick and stop()'s last snapshot never overlap
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pagedchat-backup", daemon=True)
         self._thread.start()
@@ -88,38 +95,44 @@ class BackupLoop:
 
     def take_if_changed(self) -> bool:
         """A snapshot if the database changed since the last one; whether one was taken."""
-        try:
-            state = self._state()
-            if state is None or state == self._taken:
+        with self._lock:
+            try:
+                version = self._version()
+                if version is None or version == self._taken:
+                    return False
+                snapshot(self.db_path, self.folder, self.lock)
+                self._taken = version
+                self.snapshots += 1
+                return True
+            except Exception:  # noqa: BLE001 (any failure is logged and retried; the chat goes on)
+                self.failures += 1
+                log.exception("database snapshot into %s failed; retrying in %.0f s", self.folder, self.interval_s)
                 return False
-            snapshot(self.db_path, self.folder, self.lock)
-            self._taken = state
-            self.snapshots += 1
-            return True
-        except Exception:  # noqa: BLE001 (any failure is logged and retried; the chat goes on)
-            self.failures += 1
-            log.exception("database snapshot into %s failed; retrying in %.0f s", self.folder, self.interval_s)
-            return False
 
-    def _state(self) -> tuple | None:
-        """The database file's and its write-ahead log's (size, mtime): any committed write
-        changes one of them, and reading them costs no query against a busy database. A change
-        that leaves both equal would need two writes within the filesystem's timestamp grain and
-        of equal size; the next write after it is caught anyway."""
-        if not self.db_path.exists():
-            return None
-        state = []
-        for path in (self.db_path, self.db_path.with_name(self.db_path.name + "-wal")):
-            with contextlib.suppress(FileNotFoundError):
-                stat = path.stat()
-                state.append((stat.st_size, stat.st_mtime_ns))
-        return tuple(state)
+    def _version(self) -> int | None:
+        """SQLite's `data_version` on a connection kept for it: it changes whenever another
+        connection, in this process or another, commits (and after a checkpoint that resets the WAL: one
+        needless snapshot), never otherwise, and reading it blocks no writer. Read before the
+        snapshot, so a commit that lands during one is caught at the next tick. (The files' sizes
+        and mtimes can miss a commit: a WAL reused after a checkpoint keeps its size, and an older
+        kernel's mtimes are coarse, so the last reply before a restart could go unsaved.)"""
+        if self._watch is None:
+            if not self.db_path.exists():
+                return None
+            # mode=rw: never creates the database; autocommit: never holds a read open between ticks.
+            self._watch = sqlite3.connect(f"file:{self.db_path}?mode=rw", uri=True, isolation_level=None,
+                                          check_same_thread=False)
+        return self._watch.execute("pragma data_version").fetchone()[0]
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the thread, then take a last snapshot of whatever changed since the previous one."""
         self._stop.set()
         self._thread.join(timeout)
         self.take_if_changed()
+        with self._lock:
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ reply, and a hub that cannot be reached never blocks or breaks the chat."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import time
 
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from served_app import Served, free_port
 
 from storage import Store
@@ -27,21 +28,29 @@ REPO = "ada/pagedchat-backups"
 
 class FakeHub:
     """The hub routes a backup uses (download a file, create the repo, pre-upload, commit), on a
-    real loopback server. With `failing`, downloads and uploads are refused (403, as for a token
-    without the rights), which huggingface_hub does not retry."""
+    real loopback server, keeping what is committed in `files`. With `failing`, downloads and
+    uploads are refused (403, as for a token without the rights), which huggingface_hub does not
+    retry. A file not there is answered as the hub does: 404, for a missing repo or a missing file."""
 
-    def __init__(self, failing: bool) -> None:
-        self.failing, self.files = failing, {}
+    def __init__(self, failing: bool, repo_exists: bool = True) -> None:
+        self.failing, self.repo_exists, self.files = failing, repo_exists, {}
         app = FastAPI()
 
         @app.post("/api/repos/create")
         async def create(request: Request):
             body = await request.json()
+            self.repo_exists = True
             return {"url": f"{self.url}/datasets/{body['organization']}/{body['name']}"}
 
         @app.api_route("/datasets/{owner}/{name}/resolve/{revision}/{filename}", methods=["GET", "HEAD"])
         async def download(owner: str, name: str, revision: str, filename: str):
-            return JSONResponse({"error": "this token may not read here"}, status_code=403)
+            if self.failing:
+                return JSONResponse({"error": "this token may not read here"}, status_code=403)
+            if filename not in self.files:
+                code = "EntryNotFound" if self.repo_exists else "RepoNotFound"
+                return JSONResponse({"error": code}, status_code=404, headers={"X-Error-Code": code})
+            data = self.files[filename]
+            return Response(data, headers={"X-Repo-Commit": "0" * 40, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'})
 
         @app.post("/api/datasets/{owner}/{name}/preupload/{revision}")
         async def preupload(owner: str, name: str, revision: str, request: Request):
@@ -153,6 +162,16 @@ def test_a_restore_never_overwrites_a_database_and_refuses_a_corrupt_snapshot(tm
         assert all_messages(store, "hf:bob") == before and store.conversations("hf:ada") == []
     assert not restore(tmp_path / "no-such-snapshot.db", tmp_path / "new.db")
 
+    gone = tmp_path / "gone.db"  # deleted while its write-ahead log still held commits
+    with Store(gone) as store:
+        write_chats(store, "hf:cy", chats=1)
+        shutil.copy(f"{gone}-wal", tmp_path / "kept-wal")
+    gone.unlink()
+    (tmp_path / "kept-wal").rename(f"{gone}-wal")
+    with pytest.raises(FileExistsError, match="left from a deleted database"):
+        restore(copy, gone)  # else SQLite would lay cy's pages over ada's snapshot
+    assert not gone.exists()
+
     data = bytearray(copy.read_bytes())
     data[200:4096] = b"\xff" * (4096 - 200)  # the first page's b-tree, past the 100-byte header
     copy.write_bytes(bytes(data))
@@ -170,6 +189,18 @@ def test_the_loop_snapshots_changes_only_and_survives_a_failing_snapshot(tmp_pat
         write_chats(store, "hf:ada", chats=1)
         assert loop.take_if_changed() and loop.snapshots == 2
 
+        # A commit that leaves the files' sizes and mtimes as they were (a WAL reused after a
+        # checkpoint, a coarse clock) is still a change.
+        store.db.execute("pragma wal_checkpoint(restart)")
+        loop.take_if_changed()  # a checkpoint may or may not count as a change; either way, now seen
+        wal = db.with_name(db.name + "-wal")
+        before = {path: path.stat() for path in (db, wal)}
+        write_chats(store, "hf:ada", chats=1)
+        for path, stat in before.items():
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+            assert path.stat().st_size == stat.st_size
+        assert loop.take_if_changed() and not loop.take_if_changed()
+
         shutil.rmtree(folder)
         folder.write_text("a file where the snapshot folder should be")  # a real failure, even for root
         write_chats(store, "hf:ada", chats=1)
@@ -182,7 +213,7 @@ def test_the_loop_snapshots_changes_only_and_survives_a_failing_snapshot(tmp_pat
     finally:
         loop.stop()
     with sqlite3.connect(folder / SNAPSHOT_NAME) as connection:
-        assert connection.execute("select count(*) from conversations").fetchone() == (3,)
+        assert connection.execute("select count(*) from conversations").fetchone() == (4,)
     store.close()
 
 
@@ -262,3 +293,33 @@ def test_the_scheduler_uploads_the_snapshot_and_a_failing_upload_breaks_nothing(
         assert restore(tmp_path / "uploaded.db", tmp_path / "restored.db")
         with Store(tmp_path / "restored.db") as restored:
             assert all_messages(restored, "hf:ada") == written
+
+
+@pytest.mark.parametrize("repo_exists", [False, True])
+def test_a_restart_restores_every_chat_from_the_hub(tmp_path, caplog, repo_exists):
+    """First start: the repo is missing or holds no database, so the app starts empty and
+    uploads. A restart on a fresh disk downloads that upload and restores every chat."""
+    hub = FakeHub(failing=False, repo_exists=repo_exists)
+    db = tmp_path / "data" / "chat.db"
+    caplog.set_level(logging.WARNING, logger="pagedchat.backup")
+    try:
+        backup = start_hub_backup(db, REPO, "hf_token", endpoint=hub.url)
+        assert not db.exists() and backup.scheduler is not None and "holds no database yet" in caplog.text
+        with Store(db) as store:
+            written = write_chats(store, "hf:ada", chats=3)
+            backup.close(wait_s=10)  # the last snapshot, uploaded
+        assert SNAPSHOT_NAME in hub.files
+
+        shutil.rmtree(db.parent)  # the Space restarts: its disk is new
+        backup = start_hub_backup(db, REPO, "hf_token", endpoint=hub.url)
+        assert backup.scheduler is not None and "restored the database" in caplog.text
+        with Store(db) as store:
+            assert all_messages(store, "hf:ada") == written
+            written.update(write_chats(store, "hf:ada", chats=1))
+            backup.close(wait_s=10)
+    finally:
+        hub.served.close()
+    (tmp_path / "uploaded.db").write_bytes(hub.files[SNAPSHOT_NAME])
+    assert restore(tmp_path / "uploaded.db", tmp_path / "restored.db")
+    with Store(tmp_path / "restored.db") as restored:
+        assert all_messages(restored, "hf:ada") == written
