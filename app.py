@@ -35,7 +35,7 @@ from ui.chat import build_chat
 from ui.panel.load_generator import LoadGenerator
 from ui.panel.page import build_panel
 from ui.panel.feed import PanelFeed
-from ui import space
+from ui import page_script, space
 from ui.sessions import Sessions, SessionWatch
 
 
@@ -74,7 +74,7 @@ def build_server(demo: gr.Blocks, client: EngineClient | None, sessions: Session
     with warnings.catch_warnings():
         # Gradio warns that SSR is off for a multi-page app; it is off by our choice anyway.
         warnings.filterwarnings("ignore", message="SSR mode is not supported", category=UserWarning)
-        return gr.mount_gradio_app(server, demo, path="/", ssr_mode=False)
+        return gr.mount_gradio_app(server, demo, path="/", ssr_mode=False, head=page_script.HEAD, css=page_script.CSS)
 
 
 def api_enabled(host: str, api_key: str | None) -> bool:

@@ -45,7 +45,11 @@ select messages.*,
        (select count(*) from messages sibling where sibling.conversation_id = messages.conversation_id
           and sibling.parent_id is messages.parent_id and sibling.id <= messages.id) as version,
        (select count(*) from messages sibling where sibling.conversation_id = messages.conversation_id
-          and sibling.parent_id is messages.parent_id) as versions
+          and sibling.parent_id is messages.parent_id) as versions,
+       (select max(id) from messages sibling where sibling.conversation_id = messages.conversation_id
+          and sibling.parent_id is messages.parent_id and sibling.id < messages.id) as previous_version_id,
+       (select min(id) from messages sibling where sibling.conversation_id = messages.conversation_id
+          and sibling.parent_id is messages.parent_id and sibling.id > messages.id) as next_version_id
 from branch join messages on messages.id = branch.id
 order by branch.depth desc
 """
@@ -196,7 +200,8 @@ class Store:
     def messages(self, user_id: str, conversation_id: int) -> list[dict]:
         """The branch shown, oldest first. Each message carries `version` and `versions`: its
         place among the messages that follow the same one (a reply and its regenerations, a
-        message and its edits), for a `‹ 2/3 ›`."""
+        message and its edits), for a `‹ 2/3 ›`, and `previous_version_id`/`next_version_id`
+        (None at either end) for `show_version`."""
         with self.connections.reading() as db:
             leaf_id = owned_conversation(db, user_id, conversation_id)["leaf_id"]
             return [_message(row) for row in db.query(BRANCH_SQL, {"leaf": leaf_id})] if leaf_id else []

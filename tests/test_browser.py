@@ -7,6 +7,7 @@ the page does with them: streaming, Stop, the sidebar, reloads, and one browser 
 saves a screenshot of a conversation."""
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -205,6 +206,129 @@ def test_stop_ends_the_reply_and_frees_its_blocks(served, profiles, monkeypatch)
     set_params(page, max_tokens=8)
     chat_once(page, "And a short one", replies=2)
     assert client.stats().device_blocks_used == 0
+
+
+def versions(page, who: str = "bot", which: int = -1) -> str:
+    """The `n/m` a message shows, or "" (a message with one version shows none)."""
+    bubble = bubbles(page, who).nth(which)
+    meta = bubble.locator(".pc-meta")
+    text = meta.inner_text() if meta.count() else ""
+    found = [word for word in text.replace("‹", " ").replace("›", " ").split() if "/" in word and word[0].isdigit()]
+    return found[0] if found else ""
+
+
+def test_regenerated_replies_are_versions_and_the_chat_follows_the_one_shown(served, profiles):
+    _, store, _ = served
+    page = profiles().open()
+    set_params(page, max_tokens=8, temperature=1.0)
+    chat_once(page, "Give me three versions")
+    assert versions(page) == ""
+    for shown in ("2/2", "3/3"):
+        button(page, "🔄 Regenerate last reply").click()
+        expect(bubbles(page, "bot").last.locator(".pc-meta")).to_contain_text(shown, timeout=REPLY_TIMEOUT_MS)
+        expect(button(page, "Send")).to_be_enabled()
+    user, conversation_id = owner_and_id(store, "Give me three versions")
+    replies = [m["id"] for m in store.db["messages"].rows_where("conversation_id = ? and role = 'assistant'",
+                                                                 [conversation_id], order_by="id")]
+    assert len(replies) == 3
+    for shown in ("2/3", "1/3"):
+        bubbles(page, "bot").last.get_by_title("Previous version").click()
+
+        expect(bubbles(page, "bot").last.locator(".pc-meta")).to_contain_text(shown)
+    bubbles(page, "bot").last.get_by_title("Next version").click()
+    expect(bubbles(page, "bot").last.locator(".pc-meta")).to_contain_text("2/3")
+
+    # Going on from version 2: the new message follows that reply, and the branch shown is kept.
+    chat_once(page, "And then?", replies=2)
+    rows = store.messages(user, conversation_id)
+    assert [m["id"] for m in rows][1] == replies[1] and rows[2]["parent_id"] == replies[1]
+    expect(bubbles(page, "bot").first.locator(".pc-meta")).to_contain_text("2/3")
+
+
+def message_buttons(page, who: str, index: int):
+    """The row of buttons Gradio shows beside a message (copy, edit), once it is hovered."""
+    bubble = bubbles(page, who).nth(index)
+    bubble.hover()
+    row = bubble.locator("xpath=ancestor::div[contains(@class, 'message-row')]")
+    return row, row.locator("xpath=following-sibling::div[contains(@class, 'message-buttons')][1]")
+
+
+def edit_message(page, index: int, text: str) -> None:
+    """Gradio's own edit: hover the user's message, the pencil, type, submit."""
+    message_buttons(page, "user", index)[1].get_by_role("button", name="Edit").click()
+    page.locator("#pc-chat textarea").fill(text)  # the message turned into an edit box
+    page.locator("#pc-chat").get_by_role("button", name="Submit").click()
+
+
+def test_editing_the_first_message_forks_and_going_back_restores_the_rest(served, profiles):
+    _, store, _ = served
+    page = profiles().open()
+    set_params(page, max_tokens=8)
+    chat_once(page, "The first <question>")
+    chat_once(page, "The second question", replies=2)
+    edit_message(page, 0, "The first question, edited")
+    expect(bubbles(page, "user")).to_have_count(1)
+    wait_for_reply(page, 1)
+    expect(bubbles(page, "user").first).to_contain_text("The first question, edited")
+    assert versions(page, "user", 0) == "2/2"
+
+    user, conversation_id = owner_and_id(store, "The first <question>")
+    assert [m["content"] for m in store.messages(user, conversation_id) if m["role"] == "user"] == [
+        "The first question, edited"]
+    bubbles(page, "user").first.get_by_title("Previous version").click()
+    expect(bubbles(page, "user")).to_have_text([re.compile("The first <question>"),
+                                                re.compile("The second question")])
+    expect(bubbles(page, "bot")).to_have_count(2)
+    assert [m["content"] for m in store.messages(user, conversation_id) if m["role"] == "user"] == [
+        "The first <question>", "The second question"]
+
+
+def test_copy_gives_the_markdown_source_without_the_numbers(served, profiles):
+    _, store, _ = served
+    profile = profiles()
+    profile.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    page = profile.open()
+    set_params(page, max_tokens=8)
+    chat_once(page, "Copy **this** & <that>")
+    user, conversation_id = owner_and_id(store, "Copy **this** & <that>")
+    reply = store.messages(user, conversation_id)[-1]["content"]
+
+    def copied(who: str) -> str:
+        message_buttons(page, who, -1)[1].get_by_role("button", name="Copy message").click()
+        return page.evaluate("() => navigator.clipboard.readText()")
+
+    assert copied("user") == "Copy **this** & <that>"
+    text = copied("bot")
+    assert text == reply and DONE not in text
+
+
+def test_keyboard_shift_enter_adds_a_line_enter_sends_escape_stops(served, profiles, monkeypatch):
+    client, store, _ = served
+    step = client.engine.step
+
+    def slow_step():
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(client.engine, "step", slow_step)
+    page = profiles().open()
+    set_params(page, max_tokens=1000)
+    box = page.get_by_placeholder("Message PagedChat…")
+    box.click()
+    box.type("Two lines")
+    box.press("Shift+Enter")
+    box.type("for the keyboard test")
+    expect(box).to_have_value("Two lines\nfor the keyboard test")
+    box.press("Enter")
+    expect(bubbles(page, "bot")).to_have_count(1)
+    expect(button(page, "Stop")).to_be_enabled()
+    expect(button(page, "Send")).to_be_disabled()
+    page.keyboard.press("Escape")
+    expect(bubbles(page, "bot").last).to_contain_text("stopped")
+    expect(button(page, "Send")).to_be_enabled()
+    user, conversation_id = owner_and_id(store, "Two lines\nfor the keyboard test")
+    rows = store.messages(user, conversation_id)
+    assert rows[0]["content"] == "Two lines\nfor the keyboard test" and rows[-1]["stopped"]
 
 
 def test_new_chat_then_switch_back_from_the_sidebar(served, profiles):

@@ -228,6 +228,61 @@ def test_edit_last_replaces_the_last_user_message_and_drops_its_reply(chat, stor
     assert chat.last_user_message(user, conversation_id) == "The corrected message"
 
 
+def test_edit_any_message_forks_and_versions_move_between_branches(chat, store):
+    user = new_user()
+    conversation_id = turn(chat, user, "First <question>")[-1].conversation_id
+    turn(chat, user, "Second question", conversation_id)
+    shown = chat.open_chat(user, conversation_id).messages
+    # The chatbot's edit box starts from the message as shown (escaped); the edit is the source.
+    assert shown[0]["content"] == "First &lt;question&gt;"
+    views = collect(chat.edit_message(user, conversation_id, 0, "Edited & <first>", greedy()))
+    rows = store.messages(user, conversation_id)
+    assert [(m["role"], m["content"], m["version"], m["versions"]) for m in rows][0] == \
+        ("user", "Edited & <first>", 2, 2)
+    assert len(rows) == 2 and rows[1]["role"] == "assistant"
+    final = views[-1].messages
+    assert final[0]["content"].startswith("Edited &amp; &lt;first&gt;") and "2/2" in final[0]["content"]
+    # Back to the first version: the whole first branch, four messages.
+    first_id = rows[0]["previous_version_id"]
+    back = chat.show_version(user, conversation_id, str(first_id))
+    assert [m["role"] for m in back] == ["user", "assistant", "user", "assistant"]
+    assert "1/2" in back[0]["content"] and "Second question" in back[2]["content"]
+    assert chat.last_user_message(user, conversation_id) == "Second question"
+    # Editing a reply, a missing index or another user's chat is refused.
+    for index in (1, 7, None, -1):
+        with pytest.raises(ChatInputError, match="no sent message to edit"):
+            chat.edit_message(user, conversation_id, index, "x", greedy())
+    with pytest.raises(ChatInputError, match=NOT_YOURS):
+        chat.show_version(new_user(), conversation_id, str(first_id))
+    with pytest.raises(ChatInputError, match="whole number"):
+        chat.show_version(user, conversation_id, "12; drop table")
+
+
+def test_regenerations_are_versions_of_one_reply(chat, store):
+    user = new_user()
+    conversation_id = turn(chat, user, "Regenerate me twice")[-1].conversation_id
+    for _ in range(2):
+        views = collect(chat.regenerate(user, conversation_id, greedy()))
+    assert "3/3" in views[-1].messages[-1]["content"]
+    replies = [m["id"] for m in store.db["messages"].rows_where("role = 'assistant' and conversation_id = ?",
+                                                                 [conversation_id])]
+    assert len(replies) == 3
+    shown = chat.show_version(user, conversation_id, replies[0])
+    assert "1/3" in shown[-1]["content"] and f"#pc-version-{replies[1]}" in shown[-1]["content"]
+
+
+@pytest.mark.anyio
+async def test_no_version_switch_while_a_reply_is_written(chat, store, slow_engine):
+    user = new_user()
+    conversation_id = (await aturn(chat, user, "Hold on"))[-1].conversation_id
+    first = store.messages(user, conversation_id)[-1]["id"]
+    views = chat.regenerate(user, conversation_id, greedy(200))
+    await anext(views)
+    with pytest.raises(ChatInputError, match="still being written"):
+        chat.show_version(user, conversation_id, first)
+    await views.aclose()
+
+
 # ---- Stop -------------------------------------------------------------------------------------------
 @pytest.mark.anyio
 async def test_closing_mid_stream_stores_the_partial_reply_as_stopped(chat, store, client, slow_engine):

@@ -116,6 +116,19 @@ def test_regenerating_shows_a_new_version_of_the_last_reply_and_keeps_the_old(st
         store.replace_last_assistant("ada", chat["id"], "no reply to replace")
 
 
+def test_each_message_names_its_neighbouring_versions(store, chat):
+    first = store.messages("ada", chat["id"])[1]
+    second = store.replace_last_assistant("ada", chat["id"], "Second.")
+    third = store.replace_last_assistant("ada", chat["id"], "Third.")
+    def neighbours():
+        return [(m["previous_version_id"], m["next_version_id"]) for m in store.messages("ada", chat["id"])]
+    assert neighbours() == [(None, None), (second["id"], None)]
+    store.show_version("ada", chat["id"], second["id"])
+    assert neighbours() == [(None, None), (first["id"], third["id"])]
+    store.show_version("ada", chat["id"], first["id"])
+    assert neighbours() == [(None, None), (None, second["id"])]
+
+
 def test_editing_any_user_message_forks_there_and_keeps_what_followed_the_old_one(store, chat):
     store.add_message("ada", chat["id"], "user", "And freed?")
     store.add_message("ada", chat["id"], "assistant", "When the request ends.")

@@ -16,7 +16,7 @@ import gradio as gr
 
 from ui.backends.backend import ChatBackend
 from storage import Store
-from ui import identity, params, presets
+from ui import identity, page_script, params, presets
 from ui.space import on_space
 from ui.conversation import ChatController, ChatInputError, ChatView, ReplyViews, checked_id
 from ui.sessions import Sessions, until_gone
@@ -116,6 +116,29 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
         async for outputs in relay(views, chat_and_id, gone(request)):
             yield outputs
 
+    async def on_edit_message(user_id: str, conversation_id: int | None, temperature: float, top_p: float,
+                              max_tokens: float, edit: gr.EditData, request: gr.Request,
+                              profile: gr.OAuthProfile | None = None) -> AsyncIterator[tuple]:
+        """The chatbot's own edit (the pencil on any of the user's messages): fork there."""
+        user = identity.resolve_user(user_id, profile)
+        index = edit.index if isinstance(edit.index, int) else None
+        with shown_to_user():
+            views = await asyncio.to_thread(chat.edit_message, user, conversation_id, index, edit.value,
+                                            (temperature, top_p, max_tokens))
+        async for outputs in relay(views, chat_and_id, gone(request)):
+            yield outputs
+
+    def on_show_version(user_id: str, conversation_id: int | None, asked: str,
+                        profile: gr.OAuthProfile | None = None):
+        """A `‹ ›` click: the box holds "<message id>:<time>" (ui/page_script.py)."""
+        message_id = (asked or "").partition(":")[0]
+        if not message_id:
+            return gr.Chatbot(), gr.Textbox()
+        user = identity.resolve_user(user_id, profile)
+        with shown_to_user():
+            messages = chat.show_version(user, conversation_id, message_id)
+            return messages, chat.last_user_message(user, conversation_id)
+
     def on_turn_end(user_id: str, conversation_id: int | None, query: str,
                     profile: gr.OAuthProfile | None = None):
         user = identity.resolve_user(user_id, profile)
@@ -199,11 +222,14 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
                     cancel_delete = gr.Button("Cancel")
 
         chatbot = gr.Chatbot(label="Chat", height=560, sanitize_html=True, render_markdown=True,
-                             allow_tags=False, buttons=["copy"])
+                             allow_tags=False, buttons=["copy"], editable="user", elem_id=page_script.CHATBOT)
+        # The `‹ ›` links' target (see ui/page_script.py): hidden, but in the page.
+        version = gr.Textbox(elem_id=page_script.VERSION_BOX, elem_classes=["pc-hidden"], show_label=False,
+                             container=False)
         with gr.Row():
             message = gr.Textbox(placeholder="Message PagedChat…", show_label=False, scale=8, autofocus=True)
             send = gr.Button("Send", variant="primary", scale=1)
-            stop = gr.Button("Stop", variant="stop", scale=1, interactive=False)
+            stop = gr.Button("Stop", variant="stop", scale=1, interactive=False, elem_id=page_script.STOP_BUTTON)
         with gr.Row():
             regenerate = gr.Button("🔄 Regenerate last reply")
         with gr.Accordion("Edit your last message and resend", open=False):
@@ -235,7 +261,7 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
         # missed it and the reply ran on.
         controls = [send, regenerate, resend, stop]
         settle = dict(fn=on_settle, inputs=[user_id, conversation_id], outputs=controls, api_visibility="private")
-        for trigger in (send.click, message.submit, regenerate.click, resend.click):
+        for trigger in (send.click, message.submit, regenerate.click, resend.click, chatbot.edit):
             trigger(on_turn_start, None, controls, queue=False, api_visibility="private")
         # The engine batches every stream, so the queue must not serialise them.
         streaming = dict(concurrency_limit=None)
@@ -247,9 +273,11 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
                                        [chatbot, conversation_id], api_name="regenerate", **streaming)
         resent = resend.click(on_edit, [user_id, conversation_id, edited, *sampling],
                               [chatbot, conversation_id], api_name="edit_last", **streaming)
-        for event in (sent, submitted, regenerated, resent):
+        edited_any = chatbot.edit(on_edit_message, [user_id, conversation_id, *sampling], [chatbot, conversation_id],
+                                  api_visibility="private", **streaming)
+        for event in (sent, submitted, regenerated, resent, edited_any):
             event.then(**after_turn).then(**settle)
-        stop.click(None, None, None, cancels=[sent, submitted, regenerated, resent]).then(
+        stop.click(None, None, None, cancels=[sent, submitted, regenerated, resent, edited_any]).then(
             on_stopped, [user_id, conversation_id], [chatbot], api_visibility="private").then(
             **after_turn).then(**settle)
 
@@ -257,6 +285,7 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
                        api_visibility="private")
         conversations.input(on_select, [user_id, conversations],
                             [chatbot, conversation_id, preset, custom, title, edited], api_name="open_chat")
+        version.change(on_show_version, [user_id, conversation_id, version], [chatbot, edited], api_name="show_version")
         search.submit(on_search, [user_id, search, conversation_id], [conversations], api_name="search")
         rename.click(on_rename, [user_id, conversation_id, title, search], [conversations], api_name="rename")
         delete.click(on_delete_ask, [conversation_id], [confirm_row], api_visibility="private")

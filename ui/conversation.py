@@ -325,23 +325,51 @@ class ChatController:
 
     @owned
     def edit_last(self, user: str, conversation_id: int | None, edited: str, sliders: Sliders) -> ReplyViews:
-        """The user's last message replaced by `edited`, its reply dropped, and a new reply."""
+        """The user's last message replaced by `edited` and a new reply (the old version and its
+        reply are kept, as `edit_message` keeps them)."""
+        rows = self._rows(user, checked_id(conversation_id))
+        return self.edit_message(user, conversation_id, last_user_index(rows), edited, sliders, shown_text=False)
+
+    @owned
+    def edit_message(self, user: str, conversation_id: int | None, index: int | None, edited: str,
+                     sliders: Sliders, shown_text: bool = True) -> ReplyViews:
+        """A new version of the user message at `index` in the chat shown (the chatbot's edit
+        gives its index and the box's text, which starts from the message as shown unless not
+        `shown_text`): the chat forks there and the new version gets a reply. The old version
+        and all that followed it are kept, one `‹ ›` away."""
         conversation_id = checked_id(conversation_id)
-        text = checked_text(edited, "edited message").strip()
+        text = checked_text(edited, "edited message")
+        text = (render.source_of(text) if shown_text else text).strip()
         with self._turn(user, conversation_id) as turn:
             rows = self._rows(user, conversation_id)
-            last_user = last_user_index(rows)
-            if not text or last_user is None:
-                raise ChatInputError("There is no sent message to edit, or the edit is empty.")
+            if index is None or not isinstance(index, int) or not 0 <= index < len(rows) \
+                    or rows[index]["role"] != "user" or not text:
+                raise ChatInputError("There is no sent message to edit there, or the edit is empty.")
             sampling = checked_sampling(sliders)
+            message_id = rows[index]["id"]
 
             def store_edit() -> int:
-                self.store.edit_last_user_message(user, conversation_id, text)
+                self.store.edit_message(user, conversation_id, message_id, text)
                 return conversation_id
 
             return self._reply(turn, user, conversation_id, self._system_prompt(user, conversation_id),
-                               rows[:last_user] + [{"role": "user", "content": text}], sampling, store_edit,
+                               rows[:index] + [{"role": "user", "content": text}], sampling, store_edit,
                                self._add_reply)
+
+    @owned
+    def show_version(self, user: str, conversation_id: int | None, message_id: object) -> list[dict]:
+        """The chat shown through another version of one of its messages (a `‹ ›` click). Not
+        while a reply is being written in it: the reply belongs to the branch it started on."""
+        conversation_id = checked_id(conversation_id)
+        try:
+            message_id = int(str(message_id).strip())
+        except ValueError:
+            raise ChatInputError(f"A message id is a whole number, not {message_id!r}.") from None
+        if conversation_id is None:
+            raise ChatInputError(NOT_YOURS)
+        if self._turns.busy(user, conversation_id):
+            raise ChatInputError(BUSY)
+        return render.chat_messages(self.store.show_version(user, conversation_id, message_id))
 
     @contextmanager
     def _turn(self, user: str, conversation_id: int | None) -> Iterator[Turn]:
@@ -397,7 +425,7 @@ class ChatController:
                     yield ChatView(shown, conversation_id)
                 saved = functools.partial(asyncio.to_thread, save, user, conversation_id)
                 # Closed with this generator: unlike `yield from`, `async for` would leave it open.
-                async with aclosing(self._stream(reply, shown, conversation_id, saved)) as views:
+                async with aclosing(self._stream(reply, shown, user, conversation_id, saved)) as views:
                     async for view in views:
                         yield view
             finally:
@@ -405,7 +433,7 @@ class ChatController:
         finally:
             turn.release()
 
-    async def _stream(self, reply: ReplyStream, shown: list[dict], conversation_id: int,
+    async def _stream(self, reply: ReplyStream, shown: list[dict], user: str, conversation_id: int,
                       save: Callable[[str, dict], Awaitable[dict]]) -> AsyncIterator[ChatView]:
         """Show the reply as it grows, then store it with its numbers. Closing this generator or
         cancelling its reader aborts the engine request and stores the partial reply as stopped."""
@@ -438,7 +466,18 @@ class ChatController:
             yield ChatView(shown + [render.chat_message({"role": "assistant", "content": reply.text}),
                                     render.error_message(UNSAVED_REPLY)], conversation_id)
             return
-        yield ChatView(shown + [render.chat_message(stored)], conversation_id)
+        yield ChatView(await self._stored_view(shown, stored, user, conversation_id), conversation_id)
+
+    async def _stored_view(self, shown: list[dict], stored: dict, user: str, conversation_id: int) -> list[dict]:
+        """The chat once the reply is stored, re-read so that every message carries its versions
+        (a regenerated reply is now 3/3); the reply added to what was shown if that read fails."""
+        try:
+            return render.chat_messages(await asyncio.to_thread(self._rows, user, conversation_id))
+        except NotFound:
+            raise
+        except Exception:
+            log.exception("could not read the chat back after storing a reply")
+            return shown + [render.chat_message(stored)]
 
     def _add_reply(self, user: str, conversation_id: int, text: str, metrics: dict) -> dict:
         return self.store.add_message(user, conversation_id, "assistant", text, **metrics)

@@ -1,7 +1,12 @@
 """Messages as the chatbot shows them: Markdown and code render, HTML shows as text, and each
-reply carries its engine numbers underneath."""
+reply carries its engine numbers underneath. A message with other versions (regenerated, or
+edited) carries a `‹ 2/3 ›` whose arrows are links the page's script turns into `show_version`
+calls (ui/page_script.py). A reply also carries its Markdown source, base64 in an empty span,
+for the copy button: what the chatbot holds is escaped text plus this footer, and the script
+copies the source instead."""
 from __future__ import annotations
 
+import base64
 import html
 import re
 
@@ -9,10 +14,36 @@ import re
 CODE = re.compile(r"(```.*?(?:```|\Z)|`[^`\n]+`)", re.DOTALL)
 
 
+VERSION_LINK = "#pc-version-"  # an arrow's href: this prefix, then the message id to show
+FOOTER = re.compile(r'\n\n<div class="pc-meta">.*</div>\Z', re.DOTALL)
+
+
 def as_text_markdown(text: str) -> str:
     """Escape HTML outside code, so `<script>` shows as written; code is already literal."""
     parts = CODE.split(text)
     return "".join(part if i % 2 else html.escape(part, quote=False) for i, part in enumerate(parts))
+
+
+def source_of(shown: str) -> str:
+    """The text a user typed, from a message as the chatbot holds it (Gradio's edit box starts
+    from that): the footer dropped and `as_text_markdown` undone."""
+    parts = CODE.split(FOOTER.sub("", shown))
+    return "".join(part if i % 2 else html.unescape(part) for i, part in enumerate(parts))
+
+
+def version_links(message: dict) -> str:
+    """`‹ 2/3 ›` for a message with other versions (arrows at either end are plain text), else ""."""
+    if (message.get("versions") or 1) < 2:
+        return ""
+
+    def arrow(symbol: str, target: int | None, what: str) -> str:
+        if target is None:
+            return f'<span class="pc-off">{symbol}</span>'
+        return f'<a href="{VERSION_LINK}{int(target)}" title="{what} version">{symbol}</a>'
+
+    return (f'{arrow("‹", message.get("previous_version_id"), "Previous")} '
+            f'{int(message["version"])}/{int(message["versions"])} '
+            f'{arrow("›", message.get("next_version_id"), "Next")}')
 
 
 def metrics_line(message: dict) -> str:
@@ -38,10 +69,18 @@ def metrics_line(message: dict) -> str:
 
 
 def chat_message(message: dict) -> dict:
-    """One stored (or in-progress) message as a chatbot message."""
+    """One stored (or in-progress) message as a chatbot message: the text, then a footer with
+    its versions and (a reply's) numbers and source."""
+    shown = [links] if (links := version_links(message)) else []
+    source = ""
+    if message["role"] == "assistant":
+        if line := metrics_line(message):
+            shown.append(f"<em>{html.escape(line)}</em>")
+        encoded = base64.b64encode(message["content"].encode()).decode()
+        source = f'<span class="pc-source" data-source="{encoded}"></span>'
     content = as_text_markdown(message["content"])
-    if message["role"] == "assistant" and (line := metrics_line(message)):
-        content += f"\n\n*{line}*"
+    if shown or source:
+        content += '\n\n<div class="pc-meta">' + " · ".join(shown) + source + "</div>"
     return {"role": message["role"], "content": content}
 
 

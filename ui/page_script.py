@@ -1,0 +1,62 @@
+"""The chat page's script and style: what Gradio's components cannot do on their own.
+
+- Copy: the chatbot holds a message as escaped text plus a footer (ui/render.py); its copy
+  button writes that string. The script hands the clipboard the message's source instead: a
+  reply's base64 `data-source`, or a user message's text with the footer dropped and the
+  escaping undone (outside code, as `render.source_of` does).
+- Versions: a click on a `‹`/`›` link puts "<message id>:<time>" into the hidden `#pc-version`
+  box, whose change event asks the server to show that version.
+- Esc presses Stop while a reply streams (Enter and Shift+Enter are the message box's own).
+- Layout: the chat fills the window's height; on a narrow screen the input row wraps.
+"""
+from __future__ import annotations
+
+VERSION_BOX = "pc-version"
+STOP_BUTTON = "pc-stop"
+CHATBOT = "pc-chat"
+
+HEAD = """
+<script>
+(() => {
+  if (window.pagedchatScript) return;
+  window.pagedchatScript = true;
+  const CODE = /(```[\\s\\S]*?(?:```|$)|`[^`\\n]+`)/;
+  const FOOTER = /\\n\\n<div class="pc-meta">[\\s\\S]*<\\/div>$/;
+  const SOURCE = /data-source="([A-Za-z0-9+\\/=]*)"/;
+  const unescape = (text) => text.replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&");
+  const source = (shown) => {
+    const encoded = SOURCE.exec(shown);
+    if (encoded) return new TextDecoder().decode(Uint8Array.from(atob(encoded[1]), (c) => c.charCodeAt(0)));
+    return shown.replace(FOOTER, "").split(CODE).map((part, i) => (i % 2 ? part : unescape(part))).join("");
+  };
+  if (navigator.clipboard) {
+    const write = navigator.clipboard.writeText.bind(navigator.clipboard);
+    navigator.clipboard.writeText = (text) => write(source(String(text)));
+  }
+  document.addEventListener("click", (event) => {
+    const link = event.target.closest && event.target.closest('a[href^="#pc-version-"]');
+    if (!link) return;
+    event.preventDefault();
+    event.stopPropagation();
+    const box = document.querySelector("#VERSION_BOX textarea, #VERSION_BOX input");
+    if (!box) return;
+    const setter = Object.getOwnPropertyDescriptor(Object.getPrototypeOf(box), "value").set;
+    // A changing value, so that the same version asked for twice is still a change.
+    setter.call(box, link.getAttribute("href").slice("#pc-version-".length) + ":" + Date.now());
+    box.dispatchEvent(new Event("input", { bubbles: true }));
+  }, true);
+  document.addEventListener("keydown", (event) => {
+    if (event.key !== "Escape") return;
+    const stop = document.getElementById("STOP_BUTTON");
+    if (stop && !stop.disabled) stop.click();
+  });
+})();
+</script>
+""".replace("VERSION_BOX", VERSION_BOX).replace("STOP_BUTTON", STOP_BUTTON)
+
+CSS = """
+.pc-hidden { display: none !important; }
+.pc-meta { font-size: 0.85em; opacity: 0.8; margin-top: 0.4em; }
+.pc-meta a { text-decoration: none; padding: 0 0.3em; font-weight: bold; }
+.pc-meta .pc-off { opacity: 0.35; padding: 0 0.3em; }
+"""
