@@ -133,6 +133,12 @@ class Store:
             if db.execute("delete from users where id = ?", [user_id]).rowcount == 0:
                 raise NotFound("user", user_id)
 
+    def delete_conversations(self, user_id: str) -> int:
+        """All of the user's conversations (and, by cascade, their messages); returns how many.
+        The user's row stays: signing in again finds an empty list, not an error."""
+        with self.connections.transaction() as db:
+            return db.execute("delete from conversations where user_id = ?", [user_id]).rowcount
+
     def move_conversations(self, from_user: str, to_user: str) -> int:
         """Give all of `from_user`'s conversations (and their messages) to `to_user`, whose row is
         created if need be; returns how many moved. The caller has checked that it speaks for

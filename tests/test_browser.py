@@ -331,6 +331,69 @@ def test_keyboard_shift_enter_adds_a_line_enter_sends_escape_stops(served, profi
     assert rows[0]["content"] == "Two lines\nfor the keyboard test" and rows[-1]["stopped"]
 
 
+def test_export_then_import_round_trips_a_conversation(served, profiles, tmp_path):
+    _, store, _ = served
+    page = profiles().open()
+    set_params(page, max_tokens=8)
+    chat_once(page, "Export **me** & <keep> this")
+    button(page, "🔄 Regenerate last reply").click()  # an earlier version, which stays behind
+    expect(bubbles(page, "bot").last.locator(".pc-meta")).to_contain_text("2/2", timeout=REPLY_TIMEOUT_MS)
+    chat_once(page, "A second turn", replies=2)
+    page.get_by_text("This chat: rename, export, delete").click()
+    button(page, "Export as Markdown and JSON").click()
+    files = {}
+    for suffix in (".md", ".json"):
+        link = page.locator(f'#pc-exported a[download$="{suffix}"]')
+        with page.expect_download() as download:
+            link.click()
+        files[suffix] = tmp_path / download.value.suggested_filename
+        download.value.save_as(files[suffix])
+    user, conversation_id = owner_and_id(store, "Export **me** & <keep> this")
+    from storage.transfer import conversation_json
+    assert files[".json"].read_text() == conversation_json(store, user, conversation_id)
+    assert "## You\n\nExport **me** & <keep> this" in files[".md"].read_text()
+
+    # Imported in another browser (another user), it is that user's chat, message for message.
+    other = profiles().open()
+    with other.expect_file_chooser() as chooser:
+        other.get_by_text("All my chats").click()
+        button(other, "Import a chat (JSON)").click()
+    chooser.value.set_files(files[".json"])
+    expect(bubbles(other, "user")).to_have_count(2)
+    expect(bubbles(other, "bot")).to_have_count(2)
+    expect(other.get_by_role("radio", name="Export **me** & <keep> this")).to_be_checked()
+    mine = [r for r in store.db["conversations"].rows_where("title = ?", ["Export **me** & <keep> this"])
+            if r["user_id"] != user]
+    assert len(mine) == 1
+    assert conversation_json(store, mine[0]["user_id"], mine[0]["id"]) == files[".json"].read_text()
+
+
+def test_delete_all_leaves_the_user_nothing_and_others_untouched(served, profiles):
+    _, store, _ = served
+    keeper, leaver = profiles().open(), profiles().open()
+    set_params(keeper, max_tokens=4)
+    chat_once(keeper, "The keeper's chat")
+    set_params(leaver, max_tokens=4)
+    chat_once(leaver, "The leaver's first chat")
+    button(leaver, "➕ New chat").click()
+    chat_once(leaver, "The leaver's second chat")
+    expect(sidebar(leaver)).to_have_count(2)
+    leaver_id, _ = owner_and_id(store, "The leaver's first chat")
+    leaver.get_by_text("All my chats").click()
+    button(leaver, "Delete all my chats").click()
+    button(leaver, "Cancel").last.click()
+    assert len(store.conversations(leaver_id)) == 2
+    button(leaver, "Delete all my chats").click()
+    button(leaver, "Yes, delete all").click()
+    expect(sidebar(leaver)).to_have_count(0)
+    expect(bubbles(leaver, "user")).to_have_count(0)
+    assert store.conversations(leaver_id) == []
+    keeper_id, _ = owner_and_id(store, "The keeper's chat")
+    assert [c["title"] for c in store.conversations(keeper_id)] == ["The keeper's chat"]
+    keeper.reload()
+    expect(sidebar(keeper)).to_have_count(1)
+
+
 def test_new_chat_then_switch_back_from_the_sidebar(served, profiles):
     page = profiles().open()
     set_params(page, max_tokens=12)

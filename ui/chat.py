@@ -7,8 +7,9 @@ passes it explicitly); `identity.resolve_user` checks it, or takes the Space's O
 """
 from __future__ import annotations
 
-import os
 import asyncio
+import os
+import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, contextmanager
 
@@ -195,6 +196,29 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
     def on_delete_cancel():
         return gr.Row(visible=False)
 
+    def on_export(user_id: str, conversation_id: int | None, profile: gr.OAuthProfile | None = None):
+        user = identity.resolve_user(user_id, profile)
+        with shown_to_user():
+            files = chat.export(user, conversation_id, tempfile.mkdtemp(prefix="pagedchat-export-"))
+        return gr.File(value=[str(path) for path in files], visible=True)
+
+    def on_import(user_id: str, upload: str | None, query: str, profile: gr.OAuthProfile | None = None):
+        user = identity.resolve_user(user_id, profile)
+        if not upload:
+            raise gr.Error("Choose an exported chat (a .json file) to import.")
+        with shown_to_user():
+            conversation_id = chat.import_file(user, upload)
+            opened = chat.open_chat(user, conversation_id)
+        return (opened.messages, conversation_id, opened.preset, opened.custom, opened.title,
+                opened.last_user_message, conversation_list(user, conversation_id, query))
+
+    def on_delete_all_confirm(user_id: str, profile: gr.OAuthProfile | None = None):
+        user = identity.resolve_user(user_id, profile)
+        with shown_to_user():
+            deleted = chat.delete_all(user)
+        gr.Info(f"Deleted {deleted} chat{'s' if deleted != 1 else ''}.")
+        return [], None, "", "", conversation_list(user, None), gr.Row(visible=False)
+
     def on_preset_change(preset: str):
         return gr.Textbox(visible=preset == presets.CUSTOM)
 
@@ -213,13 +237,24 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
             new_chat = gr.Button("➕ New chat", variant="primary")
             search = gr.Textbox(placeholder="Search your chats…", show_label=False, submit_btn=True)
             conversations = gr.Radio(choices=[], label="Your chats", type="value")
-            with gr.Accordion("Rename or delete this chat", open=False):
+            with gr.Accordion("This chat: rename, export, delete", open=False):
                 title = gr.Textbox(label="Title")
                 rename = gr.Button("Rename")
                 delete = gr.Button("Delete chat", variant="stop")
                 with gr.Row(visible=False) as confirm_row:
                     confirm_delete = gr.Button("Yes, delete it", variant="stop")
                     cancel_delete = gr.Button("Cancel")
+                export = gr.Button("Export as Markdown and JSON")
+                exported = gr.File(label="Exported", file_count="multiple", visible=False, interactive=False,
+                                   elem_id="pc-exported")
+            with gr.Accordion("All my chats", open=False):
+                import_chat = gr.UploadButton("Import a chat (JSON)", file_types=[".json"], file_count="single")
+                delete_all = gr.Button("Delete all my chats", variant="stop")
+                with gr.Column(visible=False) as confirm_all:
+                    gr.Markdown("Delete **every** chat of yours, for good?")
+                    with gr.Row():
+                        confirm_delete_all = gr.Button("Yes, delete all", variant="stop")
+                        cancel_delete_all = gr.Button("Cancel")
 
         chatbot = gr.Chatbot(label="Chat", height=560, sanitize_html=True, render_markdown=True,
                              allow_tags=False, buttons=["copy"], editable="user", elem_id=page_script.CHATBOT)
@@ -292,5 +327,14 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
         confirm_delete.click(on_delete_confirm, [user_id, conversation_id, search],
                              [chatbot, conversation_id, title, conversations, confirm_row], api_name="delete_chat")
         cancel_delete.click(on_delete_cancel, None, [confirm_row], api_visibility="private")
+        export.click(on_export, [user_id, conversation_id], [exported], api_visibility="private")
+        import_chat.upload(on_import, [user_id, import_chat, search],
+                           [chatbot, conversation_id, preset, custom, title, edited, conversations],
+                           api_visibility="private")
+        delete_all.click(lambda: gr.Column(visible=True), None, [confirm_all], api_visibility="private")
+        cancel_delete_all.click(lambda: gr.Column(visible=False), None, [confirm_all], api_visibility="private")
+        confirm_delete_all.click(on_delete_all_confirm, [user_id],
+                                 [chatbot, conversation_id, title, edited, conversations, confirm_all],
+                                 api_name="delete_all_chats")
         preset.change(on_preset_change, [preset], [custom], api_visibility="private")
     return demo

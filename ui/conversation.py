@@ -15,14 +15,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import re
 import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing, contextmanager
+from pathlib import Path
 from typing import NamedTuple
 
 from engine import EngineBusyError, SamplingParams
-from storage import NotFound, Store
+from storage import NotFound, Store, transfer
 from ui import params, presets, render
 from ui.backends.backend import BackendError, ChatBackend
 from ui.stream import ReplyStream, start_reply
@@ -36,6 +39,7 @@ TITLE_CHARS = 48
 MAX_TEXT_CHARS = 100_000
 STOP_WAIT_S = 5.0
 MAX_CONVERSATION_ID = 2**63 - 1  # SQLite's largest integer: beyond it no row can exist
+MAX_IMPORT_BYTES = 5_000_000  # an exported chat of ~1,000 long turns
 MAX_REPLIES_PER_USER = 4  # replies one user may have in progress at once, across their chats
 NOT_YOURS = "That conversation doesn't exist or isn't yours."
 BUSY = "A reply is still being written in this chat: wait for it or press Stop."
@@ -263,6 +267,36 @@ class ChatController:
             raise ChatInputError(BUSY)  # its reply would have nowhere to go
         if conversation_id is not None:
             self.store.delete_conversation(user, conversation_id)
+
+    def delete_all(self, user: str) -> int:
+        """Every chat of the user's; returns how many. Not while one of their replies is being
+        written: it would have nowhere to go."""
+        if self._turns.in_progress(user):
+            raise ChatInputError("A reply is still being written: stop it or wait for it, then delete your chats.")
+        return self.store.delete_conversations(user)
+
+    @owned
+    def export(self, user: str, conversation_id: int | None, folder: str | os.PathLike) -> list[Path]:
+        """The open chat as Markdown and JSON files in `folder`, named after its title."""
+        conversation_id = checked_id(conversation_id)
+        if conversation_id is None:
+            raise ChatInputError("Open a chat to export it.")
+        title = self.store.conversation(user, conversation_id)["title"]
+        stem = "-".join(re.findall(r"\w+", title.lower()))[:60] or "chat"
+        files = [Path(folder, f"{stem}.md"), Path(folder, f"{stem}.json")]
+        files[0].write_text(transfer.conversation_markdown(self.store, user, conversation_id), encoding="utf-8")
+        files[1].write_text(transfer.conversation_json(self.store, user, conversation_id), encoding="utf-8")
+        return files
+
+    def import_file(self, user: str, path: str | os.PathLike) -> int:
+        """A chat from an exported JSON file, as a new chat of the user's; returns its id."""
+        size = os.path.getsize(path)
+        if size > MAX_IMPORT_BYTES:
+            raise ChatInputError(f"The file is {size:,} bytes; a chat to import is at most {MAX_IMPORT_BYTES:,}.")
+        try:
+            return transfer.import_conversation(self.store, user, Path(path).read_bytes())["id"]
+        except transfer.NotAConversation as error:
+            raise ChatInputError(f"{error} Nothing was imported.") from None
 
     def replying(self, user: str, conversation_id: int | None) -> bool:
         """Whether a reply is being written in the user's conversation now."""
