@@ -83,6 +83,16 @@ def add_message_branches(db: Database) -> None:
     db["messages"].create_index(["parent_id"])
 
 
+@migrations()
+def add_context_fitting(db: Database) -> None:
+    """Version 5: `conversations.fit_context` (1: when the next turn would not fit the model's
+    context, leave out the oldest turns instead of refusing) and `messages.left_out` (how many
+    of the oldest messages a reply was written without; NULL: none)."""
+    db.execute("alter table conversations add column fit_context integer not null default 0 "
+               "check (fit_context in (0, 1))")
+    db.execute("alter table messages add column left_out integer")
+
+
 def migrate(db: Database, steps: Migrations = migrations) -> None:
     """Apply pending migrations in one write transaction, so that two processes opening the
     same file at once cannot both apply them."""

@@ -177,6 +177,10 @@ class Store:
         return self._change(user_id, conversation_id,
                             system_prompt=validation.text(system_prompt, "system prompt"))
 
+    def set_fit_context(self, user_id: str, conversation_id: int, on: bool) -> dict:
+        """Whether the conversation leaves out its oldest turns when the next would not fit."""
+        return self._change(user_id, conversation_id, fit_context=int(bool(on)))
+
     def delete_conversation(self, user_id: str, conversation_id: int) -> None:
         """The conversation and, by cascade, its messages."""
         with self.connections.transaction() as db:

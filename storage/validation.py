@@ -11,6 +11,7 @@ METRICS = {
     "finish_reason": str,
     "stopped": bool,
     "backend": str,  # which server wrote the reply, when the app fronts several (None: in-process)
+    "left_out": int,  # the oldest messages left out of its prompt to fit the context (None: none)
 }
 
 

@@ -394,6 +394,53 @@ def test_delete_all_leaves_the_user_nothing_and_others_untouched(served, profile
     expect(sidebar(keeper)).to_have_count(1)
 
 
+def test_inline_and_display_latex_render(served, profiles):
+    page = profiles().open()
+    set_params(page, max_tokens=4)
+    chat_once(page, r"Inline $e^{i\pi}+1=0$, also \(a^2+b^2\), and display: $$\int_0^1 x\,dx$$")
+    message = bubbles(page, "user").last
+    expect(message.locator(".katex")).to_have_count(3)
+    expect(message.locator(".katex-display")).to_have_count(1)
+    assert "$" not in message.inner_text() and "\\(" not in message.inner_text()
+
+
+def meter_numbers(page) -> dict[str, int]:
+    meter = page.locator(".pc-meter")
+    return {key: int(meter.get_attribute(f"data-{key}")) for key in ("tokens", "cached", "limit")}
+
+
+def test_the_meter_shows_the_engines_numbers_and_warns_near_the_limit(served, profiles):
+    client, store, _ = served
+    page = profiles().open()
+    limit = client.engine.config.max_model_len
+    expect(page.locator(".pc-meter")).to_contain_text(f"0 of {limit:,} tokens")
+    expect(page.locator(".pc-meter .pc-model")).to_have_text(client.engine.info().model)
+    set_params(page, max_tokens=8)
+    chat_once(page, "Measure this chat")
+    chat_once(page, "And measure it again", replies=2)
+    user, conversation_id = owner_and_id(store, "Measure this chat")
+    reply = store.messages(user, conversation_id)[-1]
+    expected = {"tokens": reply["prompt_tokens"] + reply["completion_tokens"], "cached": reply["cached_tokens"],
+                "limit": limit}
+    expect(page.locator(".pc-meter")).to_have_attribute("data-tokens", str(expected["tokens"]))
+    assert meter_numbers(page) == expected and expected["cached"] > 0
+    assert not page.get_by_text("Continue in a new chat with a summary").is_visible()
+
+    # A long message: the meter warns and offers the two ways on; the choice is kept with the chat.
+    phrase = "lighthouse keepers watch the sea "
+    per_phrase = len(client.engine.encode(phrase * 20)) / 20
+    long_text = phrase * int(0.85 * limit / per_phrase)
+    chat_once(page, long_text, replies=3)
+    expect(page.locator(".pc-meter")).to_contain_text("Nearly full")
+    expect(button(page, "Continue in a new chat with a summary")).to_be_visible()
+    page.get_by_label("When the chat is full, leave out its oldest turns").check()
+    expect(page.get_by_text("now leaves out its oldest turns")).to_be_visible()
+    deadline = time.monotonic() + 10
+    while not store.conversation(user, conversation_id)["fit_context"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.conversation(user, conversation_id)["fit_context"] == 1
+
+
 def test_new_chat_then_switch_back_from_the_sidebar(served, profiles):
     page = profiles().open()
     set_params(page, max_tokens=12)

@@ -283,6 +283,51 @@ async def test_no_version_switch_while_a_reply_is_written(chat, store, slow_engi
     await views.aclose()
 
 
+def test_the_context_meter_is_the_engines_numbers(chat, store, client):
+    user = new_user()
+    use, fit = chat.context(user, None)
+    assert (use.tokens, use.limit, fit) == (0, client.engine.config.max_model_len, False) and use.model
+    conversation_id = turn(chat, user, "Count my tokens")[-1].conversation_id
+    turn(chat, user, "And these too", conversation_id)
+    reply = store.messages(user, conversation_id)[-1]
+    use, _ = chat.context(user, conversation_id)
+    assert use.tokens == reply["prompt_tokens"] + reply["completion_tokens"] and use.cached == reply["cached_tokens"]
+    assert use.cached > 0 and not use.near_limit
+
+
+def test_a_full_chat_leaves_out_its_oldest_turns_only_when_asked(chat, store, client):
+    user = new_user()
+    phrase = "lighthouse keepers watch the sea "
+    long_text = phrase * int(450 / (len(client.engine.encode(phrase * 20)) / 20))  # the engine holds 1,024
+    conversation_id = turn(chat, user, "First: " + long_text)[-1].conversation_id
+    turn(chat, user, "Second: " + long_text, conversation_id)
+    refused = turn(chat, user, "Third: " + long_text, conversation_id)
+    assert refused[-1].refused and "too long" in refused[-1].messages[-1]["content"]
+    assert len(store.messages(user, conversation_id)) == 4  # nothing stored
+
+    chat.set_fit_context(user, conversation_id, True)
+    assert chat.context(user, conversation_id)[1] is True
+    views = turn(chat, user, "Third: " + long_text, conversation_id)
+    reply = store.messages(user, conversation_id)[-1]
+    assert reply["role"] == "assistant" and reply["left_out"] in (2, 4)
+    assert reply["prompt_tokens"] <= client.engine.config.max_model_len
+    assert f"without the {reply['left_out']} oldest messages" in views[-1].messages[-1]["content"]
+    use, _ = chat.context(user, conversation_id)
+    assert use.tokens == reply["prompt_tokens"] + reply["completion_tokens"]
+
+
+def test_continue_in_a_new_chat_carries_a_summary(chat, store):
+    user = new_user()
+    conversation_id = turn(chat, user, "Remember the number 4096")[-1].conversation_id
+    new_id = asyncio.run(chat.continue_with_summary(user, conversation_id, greedy()))
+    new = store.conversation(user, new_id)
+    assert new_id != conversation_id and new["title"].endswith("(continued)")
+    assert new["system_prompt"].startswith(SYSTEM) and "This chat continues an earlier one" in new["system_prompt"]
+    assert store.messages(user, new_id) == [] and len(store.messages(user, conversation_id)) == 2
+    with pytest.raises(ChatInputError, match=NOT_YOURS):
+        asyncio.run(chat.continue_with_summary(new_user(), conversation_id, greedy()))
+
+
 # ---- Stop -------------------------------------------------------------------------------------------
 @pytest.mark.anyio
 async def test_closing_mid_stream_stores_the_partial_reply_as_stopped(chat, store, client, slow_engine):

@@ -370,12 +370,12 @@ def test_an_empty_database_is_upgraded_and_reopening_changes_nothing(tmp_path):
     with Database(path) as db:
         assert storage.schema_version(db) == 0
     with Store(path) as s:
-        assert storage.schema_version(s.db) == 4
+        assert storage.schema_version(s.db) == 5
         c = s.create_conversation("ada", title="kept")
         s.add_message("ada", c["id"], "user", "still here")
     with Store(path) as s:
-        assert storage.schema_version(s.db) == 4
-        assert s.db.execute("select count(*) from _sqlite_migrations").fetchone()[0] == 4
+        assert storage.schema_version(s.db) == 5
+        assert s.db.execute("select count(*) from _sqlite_migrations").fetchone()[0] == 5
         assert [m["content"] for m in s.messages("ada", c["id"])] == ["still here"]
         assert [x["title"] for x in s.search("ada", "still")] == ["kept"]
 
@@ -422,7 +422,7 @@ def test_a_version_1_database_loses_the_model_column_and_keeps_every_row(tmp_pat
     db.close()
 
     with Store(path) as s:
-        assert storage.schema_version(s.db) == 4
+        assert storage.schema_version(s.db) == 5
         assert "model" not in s.db["conversations"].columns_dict
         assert list(s.db["users"].rows) == before["users"]
         question, answer = before["messages"]

@@ -17,7 +17,7 @@ import gradio as gr
 
 from ui.backends.backend import ChatBackend
 from storage import Store
-from ui import identity, page_script, params, presets
+from ui import context_meter, identity, page_script, params, presets
 from ui.space import on_space
 from ui.conversation import ChatController, ChatInputError, ChatView, ReplyViews, checked_id
 from ui.sessions import Sessions, until_gone
@@ -26,6 +26,9 @@ from ui.sessions import Sessions, until_gone
 # the browser's own, so the encryption only guards against casual reading of localStorage.
 BROWSER_KEY = "pagedchat-user"
 BROWSER_SECRET = os.environ.get("PAGEDCHAT_BROWSER_SECRET", "pagedchat-browser-state")
+# Display maths first, so that `$$` is never read as two empty inline spans.
+LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "\\[", "right": "\\]", "display": True},
+         {"left": "$", "right": "$", "display": False}, {"left": "\\(", "right": "\\)", "display": False}]
 
 
 @contextmanager
@@ -219,6 +222,31 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
         gr.Info(f"Deleted {deleted} chat{'s' if deleted != 1 else ''}.")
         return [], None, "", "", conversation_list(user, None), gr.Row(visible=False)
 
+    def on_meter(user_id: str, conversation_id: int | None, profile: gr.OAuthProfile | None = None):
+        """The model and context line, and the offers once the chat is nearly full."""
+        user = identity.resolve_user(user_id, profile)
+        try:
+            use, fit = chat.context(user, conversation_id)
+        except ChatInputError:  # a chat deleted meanwhile: show the empty line
+            use, fit = chat.context(user, None)
+        return context_meter.meter_html(use), gr.Row(visible=use.near_limit or fit), gr.Checkbox(value=fit)
+
+    def on_fit(user_id: str, conversation_id: int | None, on: bool, profile: gr.OAuthProfile | None = None):
+        with shown_to_user():
+            chat.set_fit_context(identity.resolve_user(user_id, profile), conversation_id, on)
+        gr.Info("This chat now leaves out its oldest turns when the next one would not fit." if on else
+                "This chat now refuses a turn that would not fit, and says so.")
+
+    async def on_continue(user_id: str, conversation_id: int | None, temperature: float, top_p: float,
+                          max_tokens: float, query: str, profile: gr.OAuthProfile | None = None):
+        user = identity.resolve_user(user_id, profile)
+        with shown_to_user():
+            new_id = await chat.continue_with_summary(user, conversation_id, (temperature, top_p, max_tokens))
+            opened = await asyncio.to_thread(chat.open_chat, user, new_id)
+        gr.Info("A new chat carries a summary of the old one in its system prompt (under the parameters).")
+        return (opened.messages, new_id, opened.preset, opened.custom, opened.title, opened.last_user_message,
+                conversation_list(user, new_id, query))
+
     def on_preset_change(preset: str):
         return gr.Textbox(visible=preset == presets.CUSTOM)
 
@@ -257,10 +285,15 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
                         cancel_delete_all = gr.Button("Cancel")
 
         chatbot = gr.Chatbot(label="Chat", height=560, sanitize_html=True, render_markdown=True,
-                             allow_tags=False, buttons=["copy"], editable="user", elem_id=page_script.CHATBOT)
+                             allow_tags=False, buttons=["copy"], editable="user", elem_id=page_script.CHATBOT,
+                             latex_delimiters=LATEX)
         # The `‹ ›` links' target (see ui/page_script.py): hidden, but in the page.
         version = gr.Textbox(elem_id=page_script.VERSION_BOX, elem_classes=["pc-hidden"], show_label=False,
                              container=False)
+        meter = gr.HTML(elem_id=page_script.METER)
+        with gr.Row(visible=False) as full_row:
+            fit_context = gr.Checkbox(label="When the chat is full, leave out its oldest turns", value=False)
+            continue_chat = gr.Button("Continue in a new chat with a summary")
         with gr.Row():
             message = gr.Textbox(placeholder="Message PagedChat…", show_label=False, scale=8, autofocus=True)
             send = gr.Button("Send", variant="primary", scale=1)
@@ -284,9 +317,11 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
                                    label="Max new tokens")
 
         # ---- events -------------------------------------------------------------------------
-        demo.load(on_load, [browser_id], [browser_id, user_id, conversations], api_visibility="private")
-
         sampling = [temperature, top_p, max_tokens]
+        meter_update = dict(fn=on_meter, inputs=[user_id, conversation_id], outputs=[meter, full_row, fit_context],
+                            api_visibility="private")
+        demo.load(on_load, [browser_id], [browser_id, user_id, conversations], api_visibility="private").then(
+            **meter_update)
         after_turn = dict(fn=on_turn_end, inputs=[user_id, conversation_id, search],
                           outputs=[conversations, edited], api_visibility="private")
         # While a reply streams only Stop is enabled: each turn's trigger also disables the others
@@ -311,7 +346,8 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
         edited_any = chatbot.edit(on_edit_message, [user_id, conversation_id, *sampling], [chatbot, conversation_id],
                                   api_visibility="private", **streaming)
         for event in (sent, submitted, regenerated, resent, edited_any):
-            event.then(**after_turn).then(**settle)
+            event.then(**after_turn).then(**settle).then(**meter_update)
+        conversation_id.change(**meter_update)
         stop.click(None, None, None, cancels=[sent, submitted, regenerated, resent, edited_any]).then(
             on_stopped, [user_id, conversation_id], [chatbot], api_visibility="private").then(
             **after_turn).then(**settle)
@@ -320,7 +356,13 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
                        api_visibility="private")
         conversations.input(on_select, [user_id, conversations],
                             [chatbot, conversation_id, preset, custom, title, edited], api_name="open_chat")
-        version.change(on_show_version, [user_id, conversation_id, version], [chatbot, edited], api_name="show_version")
+        version.change(on_show_version, [user_id, conversation_id, version], [chatbot, edited],
+                       api_name="show_version").then(**meter_update)
+        fit_context.input(on_fit, [user_id, conversation_id, fit_context], None, api_visibility="private").then(
+            **meter_update)
+        continue_chat.click(on_continue, [user_id, conversation_id, *sampling, search],
+                            [chatbot, conversation_id, preset, custom, title, edited, conversations],
+                            api_visibility="private")
         search.submit(on_search, [user_id, search, conversation_id], [conversations], api_name="search")
         rename.click(on_rename, [user_id, conversation_id, title, search], [conversations], api_name="rename")
         delete.click(on_delete_ask, [conversation_id], [confirm_row], api_visibility="private")

@@ -27,6 +27,7 @@ from typing import NamedTuple
 from engine import EngineBusyError, SamplingParams
 from storage import NotFound, Store, transfer
 from ui import params, presets, render
+from ui.context_meter import ContextUse, context_use
 from ui.backends.backend import BackendError, ChatBackend
 from ui.stream import ReplyStream, start_reply
 
@@ -39,6 +40,10 @@ TITLE_CHARS = 48
 MAX_TEXT_CHARS = 100_000
 STOP_WAIT_S = 5.0
 MAX_CONVERSATION_ID = 2**63 - 1  # SQLite's largest integer: beyond it no row can exist
+SUMMARY_TOKENS = 384
+SUMMARY_REQUEST = ("Summarize our conversation so far for a fresh start: the facts, names, numbers, decisions "
+                   "and open questions, in a few short paragraphs. Write only the summary.")
+SUMMARY_HEAD = "This chat continues an earlier one. Its summary:\n"
 MAX_IMPORT_BYTES = 5_000_000  # an exported chat of ~1,000 long turns
 MAX_REPLIES_PER_USER = 4  # replies one user may have in progress at once, across their chats
 NOT_YOURS = "That conversation doesn't exist or isn't yours."
@@ -268,6 +273,63 @@ class ChatController:
         if conversation_id is not None:
             self.store.delete_conversation(user, conversation_id)
 
+    @owned
+    def context(self, user: str, conversation_id: int | None) -> tuple[ContextUse, bool]:
+        """How full the chat's context is (the engine's numbers from its latest reply, the
+        backend's limit) and whether it leaves out its oldest turns when full."""
+        conversation_id = checked_id(conversation_id)
+        rows = self._rows(user, conversation_id)
+        statuses = self.backend.statuses()
+        wrote = previous_backend(rows)
+        status = next((s for s in statuses if s.name == wrote), None) or next((s for s in statuses if s.up), None) \
+            or (statuses[0] if statuses else None)
+        use = context_use(rows, status.model if status else None, status.max_model_len if status else None)
+        fit = conversation_id is not None and self._fits_context(user, conversation_id)
+        return use, fit
+
+    @owned
+    def set_fit_context(self, user: str, conversation_id: int | None, on: bool) -> None:
+        conversation_id = checked_id(conversation_id)
+        if conversation_id is None:
+            raise ChatInputError("Send a message first: the choice is kept with the chat.")
+        self.store.set_fit_context(user, conversation_id, bool(on))
+
+    async def continue_with_summary(self, user: str, conversation_id: int | None, sliders: Sliders) -> int:
+        """A new chat that carries this one on: the model summarizes it (not stored here), and the
+        summary joins the system prompt of the new chat, which is returned (its id) empty and
+        ready for the next message. Refused while this chat has a reply in progress."""
+        conversation_id = checked_id(conversation_id)
+        if conversation_id is None:
+            raise ChatInputError("Open a chat to continue it.")
+        sampling = checked_sampling((sliders[0], sliders[1], SUMMARY_TOKENS))
+        turn = self._turns.start(user, conversation_id)
+        try:
+            with found():
+                conversation = await asyncio.to_thread(self.store.conversation, user, conversation_id)
+                rows = await asyncio.to_thread(self._rows, user, conversation_id)
+            if not rows:
+                raise ChatInputError("This chat has nothing to summarize yet.")
+            request = rows + [{"role": "user", "content": SUMMARY_REQUEST}]
+            try:
+                reply = await self._start_fitted(conversation["system_prompt"], request, sampling, conversation_id,
+                                                 user, fit=True)
+            except (ValueError, EngineBusyError, BackendError) as error:
+                raise ChatInputError(f"The chat could not be summarized ({error}). Try again in a moment.") from None
+            try:
+                async for _ in reply:
+                    pass
+            finally:
+                await reply.aclose()
+            if reply.finish_reason not in ("stop", "length") or not reply.text.strip():
+                raise ChatInputError("The model gave no summary. Try again, or start a new chat.")
+            system_prompt = (conversation["system_prompt"].rstrip() + "\n\n" if conversation["system_prompt"].strip()
+                             else "") + SUMMARY_HEAD + reply.text.strip()
+            title = f"{conversation['title'][:TITLE_CHARS]} (continued)"
+            new = await asyncio.to_thread(self.store.create_conversation, user, title, system_prompt)
+            return new["id"]
+        finally:
+            turn.release()
+
     def delete_all(self, user: str) -> int:
         """Every chat of the user's; returns how many. Not while one of their replies is being
         written: it would have nowhere to go."""
@@ -430,9 +492,9 @@ class ChatController:
         worker threads: SQLite may wait for a lock, and the event loop must not."""
         try:
             shown = render.chat_messages(rows)
+            fit = conversation_id is not None and await asyncio.to_thread(self._fits_context, user, conversation_id)
             try:
-                reply = await start_reply(self.backend, prompt_of(system_prompt, rows), sampling, conversation_id,
-                                          user, previous_backend(rows))
+                reply = await self._start_fitted(system_prompt, rows, sampling, conversation_id, user, fit)
             except ValueError as error:
                 yield ChatView(shown + [render.error_message(refusal(error))], conversation_id, refused=True)
                 return
@@ -522,6 +584,28 @@ class ChatController:
     def _rows(self, user: str, conversation_id: int | None) -> list[dict]:
         return self.store.messages(user, conversation_id) if conversation_id else []
 
+    async def _start_fitted(self, system_prompt: str, rows: list[dict], sampling: SamplingParams,
+                            conversation_id: int | None, user: str, fit: bool) -> ReplyStream:
+        """The reply started on `rows`; with `fit`, a prompt the backend finds too long loses
+        its oldest turn and is offered again, down to the last user message alone (the reply
+        records how many messages were left out). Raises as `start_reply` does."""
+        left_out = 0
+        while True:
+            try:
+                reply = await start_reply(self.backend, prompt_of(system_prompt, rows[left_out:]), sampling,
+                                          conversation_id, user, previous_backend(rows))
+            except ValueError:
+                later = next_turn(rows, left_out) if fit else None
+                if later is None:
+                    raise
+                left_out = later
+                continue
+            reply.left_out = left_out
+            return reply
+
+    def _fits_context(self, user: str, conversation_id: int) -> bool:
+        return bool(self.store.conversation(user, conversation_id)["fit_context"])
+
     def _system_prompt(self, user: str, conversation_id: int) -> str:
         return self.store.conversation(user, conversation_id)["system_prompt"]
 
@@ -541,6 +625,13 @@ async def kept(save: Callable[[str, dict], Awaitable[dict]], text: str, metrics:
 def last_user_index(rows: list[dict]) -> int | None:
     """Where the last user message stands in `rows`, or None."""
     return max((i for i, m in enumerate(rows) if m["role"] == "user"), default=None)
+
+
+def next_turn(rows: list[dict], start: int) -> int | None:
+    """Where the turn after the one at `start` begins (its user message), if the prompt would
+    still end with the chat's last user message; else None (nothing more may be left out)."""
+    last = last_user_index(rows)
+    return next((i for i in range(start + 1, len(rows)) if rows[i]["role"] == "user" and i <= (last or 0)), None)
 
 
 def last_user_message(rows: list[dict]) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 VERSION_BOX = "pc-version"
 STOP_BUTTON = "pc-stop"
 CHATBOT = "pc-chat"
+METER = "pc-meter"
 
 HEAD = """
 <script>
@@ -59,4 +60,10 @@ CSS = """
 .pc-meta { font-size: 0.85em; opacity: 0.8; margin-top: 0.4em; }
 .pc-meta a { text-decoration: none; padding: 0 0.3em; font-weight: bold; }
 .pc-meta .pc-off { opacity: 0.35; padding: 0 0.3em; }
+.pc-meter { font-size: 0.85em; opacity: 0.85; display: flex; flex-wrap: wrap; gap: 0.4em; align-items: center; }
+.pc-meter-bar { display: inline-block; width: 8em; height: 0.5em; border-radius: 0.25em;
+                background: var(--border-color-primary); overflow: hidden; vertical-align: middle; }
+.pc-meter-bar span { display: block; height: 100%; background: var(--color-accent); }
+.pc-near .pc-meter-bar span { background: #d97706; }
+.pc-meter-warn { color: #b45309; }
 """

@@ -59,6 +59,8 @@ def metrics_line(message: dict) -> str:
             bits.append(f"{message['prompt_tokens']} prompt tokens")
         else:
             bits.append(f"{message['cached_tokens']} of {message['prompt_tokens']} prompt tokens cached")
+    if message.get("left_out"):
+        bits.append(f"written without the {message['left_out']} oldest messages (context full)")
     if message.get("stopped"):
         bits.append("stopped")
     elif message.get("finish_reason") == "length":

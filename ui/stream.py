@@ -29,6 +29,7 @@ class ReplyStream:
         self.usage: Usage | None = None
         self._started = time.perf_counter()
         self._first_token_at: float | None = None
+        self.left_out = 0  # the oldest messages left out of its prompt to fit (set by its caller)
 
     async def __aiter__(self) -> AsyncIterator[ReplyStream]:
         async for delta in self._deltas:
@@ -52,13 +53,14 @@ class ReplyStream:
             per_s = usage.decode_tokens_per_s
             return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
                     "completion_tokens": usage.completion_tokens, "ttft_s": usage.ttft_s,
-                    "tokens_per_s": per_s, "finish_reason": self.finish_reason, "backend": self.backend}
+                    "tokens_per_s": per_s, "finish_reason": self.finish_reason, "backend": self.backend,
+                    "left_out": self.left_out or None}
         ttft = per_s = None
         if self._first_token_at is not None:
             ttft = self._first_token_at - self._started
             per_s = decode_rate(self.num_tokens, time.perf_counter() - self._first_token_at)
         return {"completion_tokens": self.num_tokens, "ttft_s": ttft, "tokens_per_s": per_s,
-                "finish_reason": self.finish_reason, "backend": self.backend}
+                "finish_reason": self.finish_reason, "backend": self.backend, "left_out": self.left_out or None}
 
 
 async def start_reply(backend: ChatBackend, messages: list[dict], params: SamplingParams,
