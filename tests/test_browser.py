@@ -125,9 +125,12 @@ def button(page, name: str):
 
 def expect_controls(page, replying: bool) -> None:
     """Only Stop while a reply streams; everything but Stop otherwise."""
+    # The controls settle in an event chained after the reply's (after the sidebar's update): on a
+    # busy 2-core machine that can take longer than expect's default 5 s.
+    wait = {"timeout": 15_000}
     for name in ("Send", "🔄 Regenerate last reply", "Resend edited message"):
-        (expect(button(page, name)).to_be_disabled if replying else expect(button(page, name)).to_be_enabled)()
-    (expect(button(page, "Stop")).to_be_enabled if replying else expect(button(page, "Stop")).to_be_disabled)()
+        (expect(button(page, name)).to_be_disabled if replying else expect(button(page, name)).to_be_enabled)(**wait)
+    (expect(button(page, "Stop")).to_be_enabled if replying else expect(button(page, "Stop")).to_be_disabled)(**wait)
 
 
 def test_only_stop_is_enabled_while_a_reply_streams(served, profiles):
@@ -370,7 +373,8 @@ def test_export_then_import_round_trips_a_conversation(served, profiles, tmp_pat
 
 def test_delete_all_leaves_the_user_nothing_and_others_untouched(served, profiles):
     _, store, _ = served
-    keeper, leaver = profiles().open(), profiles().open()
+    keeper_profile = profiles()
+    keeper, leaver = keeper_profile.open(), profiles().open()
     set_params(keeper, max_tokens=4)
     chat_once(keeper, "The keeper's chat")
     set_params(leaver, max_tokens=4)
@@ -390,7 +394,7 @@ def test_delete_all_leaves_the_user_nothing_and_others_untouched(served, profile
     assert store.conversations(leaver_id) == []
     keeper_id, _ = owner_and_id(store, "The keeper's chat")
     assert [c["title"] for c in store.conversations(keeper_id)] == ["The keeper's chat"]
-    keeper.reload()
+    keeper_profile.reload(keeper)
     expect(sidebar(keeper)).to_have_count(1)
 
 
@@ -439,6 +443,77 @@ def test_the_meter_shows_the_engines_numbers_and_warns_near_the_limit(served, pr
     while not store.conversation(user, conversation_id)["fit_context"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert store.conversation(user, conversation_id)["fit_context"] == 1
+
+
+PHONE = {"width": 390, "height": 844}
+
+
+def test_a_phone_sized_window_has_no_sideways_scroll_and_a_usable_input(served, profiles, tmp_path):
+    page = profiles().open(viewport=PHONE)
+    box = page.get_by_placeholder("Message PagedChat…")
+    expect(box).to_be_visible()
+    set_params(page, max_tokens=8)
+    page.get_by_text("System prompt and parameters").click()  # fold them away again
+    chat_once(page, "Hello from a phone")
+    expect(button(page, "Send")).to_be_enabled()
+    page.evaluate("window.scrollTo(0, 0)")
+    page.screenshot(path=str(tmp_path / "phone.png"))
+    width = page.evaluate("() => [document.documentElement.scrollWidth, window.innerWidth]")
+    assert width[0] <= width[1], f"the page scrolls sideways: {width}"
+    for element in (box, button(page, "Send"), page.locator("#pc-chat")):
+        found = element.bounding_box()
+        assert found and found["x"] >= 0 and found["x"] + found["width"] <= PHONE["width"], found
+    chat_box = page.locator("#pc-chat").bounding_box()
+    assert chat_box["height"] >= 0.4 * PHONE["height"], chat_box  # the chat fills the height
+    sidebar_box = page.get_by_placeholder("Search your chats…").bounding_box()
+    assert sidebar_box is None or sidebar_box["x"] + sidebar_box["width"] <= 0 or not \
+        page.get_by_placeholder("Search your chats…").is_visible()  # the sidebar starts folded
+
+
+def strip_numbers(page) -> dict[str, int]:
+    strip = page.locator(".pc-memory")
+    return {key: int(strip.get_attribute(f"data-{key}")) for key in ("shared", "own", "host")}
+
+
+def test_the_memory_strip_moves_with_the_reply_and_links_to_the_marked_panel(served, profiles, monkeypatch):
+    client, store, _ = served
+    step = client.engine.step
+
+    def slow_step():  # replies long enough to watch
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(client.engine, "step", slow_step)
+    watcher, other = profiles().open(), profiles().open()
+    for page in (watcher, other):
+        set_params(page, max_tokens=500)
+    send(other, "Another chat on the same preset")
+    send(watcher, "Watch my blocks")
+    expect(button(watcher, "Stop")).to_be_enabled()
+    seen = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and DONE not in bubbles(watcher, "bot").last.inner_text():
+        if watcher.locator(".pc-memory").count():
+            seen.append(strip_numbers(watcher))
+        held = [s["own"] for s in seen if s["own"]]
+        if any(s["shared"] for s in seen) and len(set(held)) > 1:
+            break
+        time.sleep(0.1)
+    assert any(s["shared"] > 0 for s in seen), seen  # the preset's blocks, read by both chats
+    assert max(s["own"] for s in seen) > min(s["own"] for s in seen if s["own"]), seen  # it grows
+    # A new chat's first reply goes by the key it was sent with; later ones by the chat's id.
+    href = watcher.locator(".pc-memory a").get_attribute("href")
+    assert re.fullmatch(r"panel\?chat=chat(\d+|-new-[0-9a-f]+)", href), href
+    panel = watcher.context.new_page()
+    panel.goto(served[2] + href)
+    expect(panel.locator("#block-map .kv-marked").first).to_be_visible(timeout=15_000)
+    expect(panel.locator("[data-note=marked]")).to_be_visible()
+    monkeypatch.undo()  # full speed: both replies end
+    for page in (watcher, other):
+        expect(button(page, "Send")).to_be_enabled(timeout=REPLY_TIMEOUT_MS)
+    expect(watcher.locator(".pc-memory")).to_have_attribute("data-own", "0")
+    _, conversation_id = owner_and_id(store, "Watch my blocks")
+    expect(watcher.locator(".pc-memory a")).to_have_attribute("href", f"panel?chat=chat{conversation_id}")
 
 
 def test_new_chat_then_switch_back_from_the_sidebar(served, profiles):

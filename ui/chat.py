@@ -17,7 +17,7 @@ import gradio as gr
 
 from ui.backends.backend import ChatBackend
 from storage import Store
-from ui import context_meter, identity, page_script, params, presets
+from ui import chat_memory, context_meter, identity, page_script, params, presets
 from ui.space import on_space
 from ui.conversation import ChatController, ChatInputError, ChatView, ReplyViews, checked_id
 from ui.sessions import Sessions, until_gone
@@ -26,6 +26,7 @@ from ui.sessions import Sessions, until_gone
 # the browser's own, so the encryption only guards against casual reading of localStorage.
 BROWSER_KEY = "pagedchat-user"
 BROWSER_SECRET = os.environ.get("PAGEDCHAT_BROWSER_SECRET", "pagedchat-browser-state")
+STRIP_INTERVAL_S = 0.5  # the memory strip's refresh while a reply streams
 # Display maths first, so that `$$` is never read as two empty inline spans.
 LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "\\[", "right": "\\]", "display": True},
          {"left": "$", "right": "$", "display": False}, {"left": "\\(", "right": "\\)", "display": False}]
@@ -150,12 +151,13 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
             return conversation_list(user, conversation_id, query), chat.last_user_message(user, conversation_id)
 
     def on_turn_start():
-        return reply_controls(True)
+        return *reply_controls(True), gr.Timer(active=True)
 
     def on_settle(user_id: str, conversation_id: int | None, profile: gr.OAuthProfile | None = None):
         """After a turn (or a refused one, or Stop): the controls as the server sees the chat,
         so a turn refused while another streams leaves them as that one needs them."""
-        return reply_controls(chat.replying(identity.resolve_user(user_id, profile), conversation_id))
+        replying = chat.replying(identity.resolve_user(user_id, profile), conversation_id)
+        return *reply_controls(replying), gr.Timer(active=replying)
 
     def on_stopped(user_id: str, conversation_id: int | None, profile: gr.OAuthProfile | None = None):
         """After Stop: the chat redrawn from the store once the stopped reply is in it."""
@@ -223,13 +225,23 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
         return [], None, "", "", conversation_list(user, None), gr.Row(visible=False)
 
     def on_meter(user_id: str, conversation_id: int | None, profile: gr.OAuthProfile | None = None):
-        """The model and context line, and the offers once the chat is nearly full."""
+        """The model and context line, the offers once the chat is nearly full, and the strip."""
         user = identity.resolve_user(user_id, profile)
         try:
             use, fit = chat.context(user, conversation_id)
         except ChatInputError:  # a chat deleted meanwhile: show the empty line
+            conversation_id = None
             use, fit = chat.context(user, None)
-        return context_meter.meter_html(use), gr.Row(visible=use.near_limit or fit), gr.Checkbox(value=fit)
+        return (context_meter.meter_html(use), gr.Row(visible=use.near_limit or fit), gr.Checkbox(value=fit),
+                on_memory(user_id, conversation_id, profile))
+
+    def on_memory(user_id: str, conversation_id: int | None, profile: gr.OAuthProfile | None = None) -> str:
+        user = identity.resolve_user(user_id, profile)
+        try:
+            memory, key = chat.memory(user, conversation_id)
+        except ChatInputError:
+            return chat_memory.strip_html(None, None)
+        return chat_memory.strip_html(memory, key)
 
     def on_fit(user_id: str, conversation_id: int | None, on: bool, profile: gr.OAuthProfile | None = None):
         with shown_to_user():
@@ -284,7 +296,8 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
                         confirm_delete_all = gr.Button("Yes, delete all", variant="stop")
                         cancel_delete_all = gr.Button("Cancel")
 
-        chatbot = gr.Chatbot(label="Chat", height=560, sanitize_html=True, render_markdown=True,
+        # The chat fills the window above the input (min 320 px), on a phone as on a desktop.
+        chatbot = gr.Chatbot(label="Chat", height="calc(100dvh - 300px)", min_height=320, sanitize_html=True, render_markdown=True,
                              allow_tags=False, buttons=["copy"], editable="user", elem_id=page_script.CHATBOT,
                              latex_delimiters=LATEX)
         # The `‹ ›` links' target (see ui/page_script.py): hidden, but in the page.
@@ -296,8 +309,12 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
             continue_chat = gr.Button("Continue in a new chat with a summary")
         with gr.Row():
             message = gr.Textbox(placeholder="Message PagedChat…", show_label=False, scale=8, autofocus=True)
-            send = gr.Button("Send", variant="primary", scale=1)
-            stop = gr.Button("Stop", variant="stop", scale=1, interactive=False, elem_id=page_script.STOP_BUTTON)
+            send = gr.Button("Send", variant="primary", scale=1, min_width=72)
+            stop = gr.Button("Stop", variant="stop", scale=1, min_width=72, interactive=False,
+                             elem_id=page_script.STOP_BUTTON)
+        # This chat's KV blocks, refreshed while a reply streams (the timer runs only then).
+        strip = gr.HTML(chat_memory.strip_html(None, None), elem_id=page_script.MEMORY)
+        strip_timer = gr.Timer(STRIP_INTERVAL_S, active=False)
         with gr.Row():
             regenerate = gr.Button("🔄 Regenerate last reply")
         with gr.Accordion("Edit your last message and resend", open=False):
@@ -318,8 +335,8 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
 
         # ---- events -------------------------------------------------------------------------
         sampling = [temperature, top_p, max_tokens]
-        meter_update = dict(fn=on_meter, inputs=[user_id, conversation_id], outputs=[meter, full_row, fit_context],
-                            api_visibility="private")
+        meter_update = dict(fn=on_meter, inputs=[user_id, conversation_id],
+                            outputs=[meter, full_row, fit_context, strip], api_visibility="private")
         demo.load(on_load, [browser_id], [browser_id, user_id, conversations], api_visibility="private").then(
             **meter_update)
         after_turn = dict(fn=on_turn_end, inputs=[user_id, conversation_id, search],
@@ -330,9 +347,12 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
         # own event, not chained after the disabling one: chained, Stop's `cancels` sometimes
         # missed it and the reply ran on.
         controls = [send, regenerate, resend, stop]
-        settle = dict(fn=on_settle, inputs=[user_id, conversation_id], outputs=controls, api_visibility="private")
+        settle = dict(fn=on_settle, inputs=[user_id, conversation_id], outputs=[*controls, strip_timer],
+                      api_visibility="private")
         for trigger in (send.click, message.submit, regenerate.click, resend.click, chatbot.edit):
-            trigger(on_turn_start, None, controls, queue=False, api_visibility="private")
+            trigger(on_turn_start, None, [*controls, strip_timer], queue=False, api_visibility="private")
+        strip_timer.tick(on_memory, [user_id, conversation_id], [strip], show_progress="hidden",
+                         api_visibility="private")
         # The engine batches every stream, so the queue must not serialise them.
         streaming = dict(concurrency_limit=None)
         send_inputs = [user_id, conversation_id, message, preset, custom, *sampling]
@@ -350,7 +370,7 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
         conversation_id.change(**meter_update)
         stop.click(None, None, None, cancels=[sent, submitted, regenerated, resent, edited_any]).then(
             on_stopped, [user_id, conversation_id], [chatbot], api_visibility="private").then(
-            **after_turn).then(**settle)
+            **after_turn).then(**settle).then(**meter_update)
 
         new_chat.click(on_new_chat, None, [chatbot, conversation_id, title, edited, conversations],
                        api_visibility="private")

@@ -27,6 +27,8 @@ from typing import NamedTuple
 from engine import EngineBusyError, SamplingParams
 from storage import NotFound, Store, transfer
 from ui import params, presets, render
+from ui.backends.figures import BackendStatus
+from ui.chat_memory import ChatMemory, chat_memory, conversation_key
 from ui.context_meter import ContextUse, context_use
 from ui.backends.backend import BackendError, ChatBackend
 from ui.stream import ReplyStream, start_reply
@@ -221,6 +223,9 @@ class ChatController:
         # One reply at a time per conversation. Stop closes a reply's generator, which then stores
         # the partial reply on the thread that ran it; `after_stop` waits for its turn to end.
         self._turns = Turns()
+        # (user, conversation) -> the key its reply in progress goes by, when not `chat<id>`.
+        self._live: dict[tuple[str, int], str] = {}
+        self._live_lock = threading.Lock()
 
     def adopt_anonymous(self, anonymous_id: str, user: str) -> int:
         """A browser signs in: the chats it wrote anonymously become the account's (the browser
@@ -279,13 +284,33 @@ class ChatController:
         backend's limit) and whether it leaves out its oldest turns when full."""
         conversation_id = checked_id(conversation_id)
         rows = self._rows(user, conversation_id)
-        statuses = self.backend.statuses()
-        wrote = previous_backend(rows)
-        status = next((s for s in statuses if s.name == wrote), None) or next((s for s in statuses if s.up), None) \
-            or (statuses[0] if statuses else None)
+        status = self._status_for(rows)
         use = context_use(rows, status.model if status else None, status.max_model_len if status else None)
         fit = conversation_id is not None and self._fits_context(user, conversation_id)
         return use, fit
+
+    @owned
+    def memory(self, user: str, conversation_id: int | None) -> tuple[ChatMemory | None, str | None]:
+        """The chat's KV blocks now, from its backend's block map (None where it shows none),
+        and the key its requests go by (a new chat's first reply has its own)."""
+        conversation_id = checked_id(conversation_id)
+        if conversation_id is None:
+            return None, None
+        status = self._status_for(self._rows(user, conversation_id))
+        keys = {conversation_key(conversation_id)}
+        with self._live_lock:
+            live = self._live.get((user, conversation_id))
+        keys |= {live} if live else set()
+        found = self.backend.block_map(status.name) if status is not None and status.up else None
+        return (chat_memory(found[0], keys) if found else None), live or conversation_key(conversation_id)
+
+    def _status_for(self, rows: list[dict]) -> BackendStatus | None:
+        """The backend a chat's next turn most likely goes to: the one that wrote its last reply,
+        else the first one up."""
+        statuses = self.backend.statuses()
+        wrote = previous_backend(rows)
+        return next((s for s in statuses if s.name == wrote), None) or next((s for s in statuses if s.up), None) \
+            or (statuses[0] if statuses else None)
 
     @owned
     def set_fit_context(self, user: str, conversation_id: int | None, on: bool) -> None:
@@ -518,6 +543,8 @@ class ChatController:
                         return
                     if created:
                         turn.hold(conversation_id)
+                        with self._live_lock:  # its requests go by `chat-new-…` (see `memory`)
+                            self._live[(user, conversation_id)] = reply.request_id.split("/", 1)[0]
                     yield ChatView(shown, conversation_id)
                 saved = functools.partial(asyncio.to_thread, save, user, conversation_id)
                 # Closed with this generator: unlike `yield from`, `async for` would leave it open.
@@ -527,6 +554,8 @@ class ChatController:
             finally:
                 await reply.aclose()
         finally:
+            with self._live_lock:
+                self._live.pop((user, conversation_id), None)
             turn.release()
 
     async def _stream(self, reply: ReplyStream, shown: list[dict], user: str, conversation_id: int,

@@ -7,7 +7,8 @@
 - Versions: a click on a `‹`/`›` link puts "<message id>:<time>" into the hidden `#pc-version`
   box, whose change event asks the server to show that version.
 - Esc presses Stop while a reply streams (Enter and Shift+Enter are the message box's own).
-- Layout: the chat fills the window's height; on a narrow screen the input row wraps.
+- Layout: on a narrow screen (a phone) the sidebar starts folded; the chatbot's own height
+  (ui/chat.py) fills the window.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ VERSION_BOX = "pc-version"
 STOP_BUTTON = "pc-stop"
 CHATBOT = "pc-chat"
 METER = "pc-meter"
+MEMORY = "pc-memory"
+NARROW_PX = 768  # below this width (a phone), the sidebar starts folded
 
 HEAD = """
 <script>
@@ -46,6 +49,15 @@ HEAD = """
     setter.call(box, link.getAttribute("href").slice("#pc-version-".length) + ":" + Date.now());
     box.dispatchEvent(new Event("input", { bubbles: true }));
   }, true);
+  // On a narrow screen the sidebar would cover the chat: it starts folded (its toggle opens it).
+  if (window.innerWidth < NARROW_PX) {
+    const started = Date.now();
+    const fold = setInterval(() => {
+      const sidebar = document.querySelector(".sidebar");
+      if (sidebar || Date.now() - started > 20000) clearInterval(fold);
+      if (sidebar && sidebar.classList.contains("open")) sidebar.querySelector(".toggle-button").click();
+    }, 50);
+  }
   document.addEventListener("keydown", (event) => {
     if (event.key !== "Escape") return;
     const stop = document.getElementById("STOP_BUTTON");
@@ -53,7 +65,7 @@ HEAD = """
   });
 })();
 </script>
-""".replace("VERSION_BOX", VERSION_BOX).replace("STOP_BUTTON", STOP_BUTTON)
+""".replace("VERSION_BOX", VERSION_BOX).replace("STOP_BUTTON", STOP_BUTTON).replace("NARROW_PX", str(NARROW_PX))
 
 CSS = """
 .pc-hidden { display: none !important; }
@@ -66,4 +78,10 @@ CSS = """
 .pc-meter-bar span { display: block; height: 100%; background: var(--color-accent); }
 .pc-near .pc-meter-bar span { background: #d97706; }
 .pc-meter-warn { color: #b45309; }
+.pc-memory { font-size: 0.8em; opacity: 0.85; }
+.pc-kv-squares { display: inline-flex; flex-wrap: wrap; gap: 1px; vertical-align: middle; max-width: 100%; }
+.pc-kv { display: inline-block; width: 7px; height: 7px; border-radius: 1px; }
+.pc-kv-shared { background: #f97316; }
+.pc-kv-own { background: var(--color-accent); }
+.pc-kv-host { background: #94a3b8; }
 """

@@ -30,6 +30,7 @@ class ReplyStream:
         self._started = time.perf_counter()
         self._first_token_at: float | None = None
         self.left_out = 0  # the oldest messages left out of its prompt to fit (set by its caller)
+        self.request_id = ""  # the engine's name for it (set by start_reply)
 
     async def __aiter__(self) -> AsyncIterator[ReplyStream]:
         async for delta in self._deltas:
@@ -75,4 +76,6 @@ async def start_reply(backend: ChatBackend, messages: list[dict], params: Sampli
     request_id = f"{conversation}/{uuid.uuid4().hex[:8]}"
     reply = await backend.start(messages, params, request_id=request_id, user=user,
                                 num_shared_messages=presets.num_shared_messages(messages), previous=previous)
-    return ReplyStream(reply.deltas, reply.backend)
+    stream = ReplyStream(reply.deltas, reply.backend)
+    stream.request_id = request_id
+    return stream

@@ -36,6 +36,7 @@ class Cell:
     color: str
     title: str
     counts: tuple[tuple[str, int], ...]  # (state, blocks) for every state, in STATES order
+    marked: bool = False         # it holds a block of the conversation the page marks
 
 
 def state_of(info: BlockInfo) -> str:
@@ -78,9 +79,15 @@ def _block_title(info: BlockInfo, state: str, show_private: bool) -> str:
 
 
 def block_cells(blocks: tuple[BlockInfo, ...] | list[BlockInfo], max_cells: int = 2048, *,
-                show_private: bool = False) -> list[Cell]:
+                show_private: bool = False, marked: str | None = None) -> list[Cell]:
     """One cell per block, or per run of ceil(len / max_cells) consecutive blocks. A block's
-    title names its owners and hash only with `show_private`; a run's gives counts per state."""
+    title names its owners and hash only with `show_private`; a run's gives counts per state.
+    `marked`: a conversation ("chat12", see `owner_key`) whose cells are marked (a chat's own
+    page links here with its id; the mark says where its blocks are, never whose they are)."""
+
+    def holds(info: BlockInfo) -> bool:
+        return marked is not None and any(owner_key(owner) == marked for owner in info.owners)
+
     if max_cells < 1:
         raise ValueError("max_cells must be at least 1")
     n = len(blocks)
@@ -90,7 +97,7 @@ def block_cells(blocks: tuple[BlockInfo, ...] | list[BlockInfo], max_cells: int 
             state = state_of(info)
             counts = tuple((s, int(s == state)) for s in STATES)
             title = _block_title(info, state, show_private)
-            cells.append(Cell(info.block_id, 1, state, _color(state, info.owners), title, counts))
+            cells.append(Cell(info.block_id, 1, state, _color(state, info.owners), title, counts, holds(info)))
         return cells
     group = math.ceil(n / max_cells)
     cells = []
@@ -104,7 +111,7 @@ def block_cells(blocks: tuple[BlockInfo, ...] | list[BlockInfo], max_cells: int 
         counts = tuple((s, tally.get(s, 0)) for s in STATES)
         title = (f"blocks {chunk[0].block_id}-{chunk[-1].block_id}: "
                  + ", ".join(f"{s} {c}" for s, c in counts if c))
-        cells.append(Cell(chunk[0].block_id, len(chunk), state, color, title, counts))
+        cells.append(Cell(chunk[0].block_id, len(chunk), state, color, title, counts, any(map(holds, chunk))))
     return cells
 
 
@@ -119,7 +126,7 @@ def render_html(cells: list[Cell], columns: int = 64, size_px: int = 8) -> str:
     columns = max(1, int(columns))
     size = max(1, int(size_px))
     squares = "".join(
-        f'<div class="kv-cell kv-{html.escape(c.state)}" title="{html.escape(c.title, quote=True)}" '
+        f'<div class="kv-cell kv-{html.escape(c.state)}{" kv-marked" if c.marked else ""}" title="{html.escape(c.title, quote=True)}" '
         f'style="background:{html.escape(c.color, quote=True)}"></div>'
         for c in cells)
     return (f'<div class="kv-grid" style="display:grid;grid-template-columns:repeat({columns},{size}px);'

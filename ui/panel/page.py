@@ -8,11 +8,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
+from urllib.parse import parse_qs, urlsplit
 
 import gradio as gr
 
 from ui import presets
 from ui.backends.backend import ChatBackend
+from ui import chat_memory
+from ui.chat_memory import conversation_key
 from ui.panel import operator
 from ui.panel import view as panel_view
 from ui.panel.cluster_view import CLUSTER_CSS, cluster_html
@@ -33,6 +36,20 @@ COLORS = {"device used": "#2563eb", "device cached": "#7dd3fc", "host used": "#f
 
 
 CLUSTER_INTERVAL_S = 1.0
+
+
+def marked_chat(request: gr.Request | None) -> str | None:
+    """The conversation to mark in the block maps: the page's `?chat=<id>` (a chat's memory strip
+    links here so), read from the event's own query or the page address it was sent from."""
+    if request is None:
+        return None
+    value = request.query_params.get("chat")
+    if value is None:
+        referer = request.headers.get("referer", "")
+        value = parse_qs(urlsplit(referer).query).get("chat", [None])[0]
+    if value and value.isdigit():
+        return conversation_key(int(value))
+    return value if value and chat_memory.KEY.fullmatch(value) else None
 
 
 def build_panel(backend: ChatBackend, feed: PanelFeed | None = None, load: LoadGenerator | None = None,
@@ -61,12 +78,14 @@ def build_panel(backend: ChatBackend, feed: PanelFeed | None = None, load: LoadG
             gr.Markdown(f"### Block map: {name}")
             remote_maps.append(gr.HTML(elem_id=f"block-map-{i}", elem_classes=["remote-block-map"]))
 
-    def on_cluster_tick(token: str | None = None, profile: gr.OAuthProfile | None = None):
+    def on_cluster_tick(token: str | None = None, profile: gr.OAuthProfile | None = None,
+                        request: gr.Request | None = None):
         statuses = backend.statuses()
         maps = []
         for status in statuses[:len(remote_maps)]:
             found = backend.block_map(status.name) if status.up else None
-            maps.append(panel_view.block_map_html(*found, show_private=operating(token, profile)) if found
+            maps.append(panel_view.block_map_html(*found, show_private=operating(token, profile),
+                                                  marked=marked_chat(request)) if found
                         else panel_view.no_block_map_html(status.name, None if status.up else status.problem))
         return cluster_html(statuses, time.time()), *maps
 
@@ -102,7 +121,8 @@ def _engine_detail(feed: PanelFeed, load: LoadGenerator, token: gr.Textbox, oper
             gr.Warning("That is not the admin token.")
         return gr.Row(visible=allowed)
 
-    def on_tick(freeze: bool, shown: int | None, token: str | None = None, profile: gr.OAuthProfile | None = None):
+    def on_tick(freeze: bool, shown: int | None, token: str | None = None, profile: gr.OAuthProfile | None = None,
+                request: gr.Request | None = None):
         history = feed.history()
         first_tokens = client.recent_first_tokens()
         frames = panel_view.plot_frames(history, first_tokens)
@@ -111,7 +131,8 @@ def _engine_detail(feed: PanelFeed, load: LoadGenerator, token: gr.Textbox, oper
             # The map is the page's largest update (~0.5 MB at 4k blocks): resend it only when it
             # changed, which also keeps a hovered cell's tooltip up while the engine is idle. The
             # operator's map differs from a visitor's, so giving the token resends it.
-            html = panel_view.block_map_html(feed.block_map(), info, show_private=operating(token, profile))
+            html = panel_view.block_map_html(feed.block_map(), info, show_private=operating(token, profile),
+                                             marked=marked_chat(request))
             if hash(html) != shown:
                 grid, shown = html, hash(html)
         return (panel_view.header_html(history, info, first_tokens), *frames.values(), grid,

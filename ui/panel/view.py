@@ -125,7 +125,8 @@ def _cell_size(cells: int) -> tuple[int, int]:
     return max(16, 900 // (size + 1)), size
 
 
-def _pool_html(name: str, label: str, blocks, block_size: int, max_cells: int, show_private: bool) -> str:
+def _pool_html(name: str, label: str, blocks, block_size: int, max_cells: int, show_private: bool,
+               marked: str | None = None) -> str:
     counts = block_grid.summary_of(blocks)
     head = (f"<div class='kv-pool-title'><b>{html.escape(label)}</b>: {counts['total']} blocks × {block_size} "
             f"tokens · in use {counts['used']} · shared {counts['shared']} · cached {counts['cached']} · "
@@ -133,7 +134,7 @@ def _pool_html(name: str, label: str, blocks, block_size: int, max_cells: int, s
     data = " ".join(f'data-{state}="{counts[state]}"' for state in (*block_grid.STATES, "total"))
     if not blocks:
         return f'<div class="kv-pool" data-pool="{name}" {data}>{head}<div>(empty: no pool of this kind)</div></div>'
-    cells = block_grid.block_cells(blocks, max_cells, show_private=show_private)
+    cells = block_grid.block_cells(blocks, max_cells, show_private=show_private, marked=marked)
     columns, size = _cell_size(len(cells))
     note = "" if len(cells) == len(blocks) else (f"<div class='kv-pool-note'>each cell is {len(blocks) // len(cells)}"
                                                  "+ consecutive blocks, coloured by their most common state</div>")
@@ -151,15 +152,18 @@ def no_block_map_html(name: str, down: str | None = None) -> str:
             "drawn in its row above.</div>")
 
 
-def block_map_html(block_map: BlockMap, info: EngineInfo, max_cells: int = 2048, *, show_private: bool = False) -> str:
+def block_map_html(block_map: BlockMap, info: EngineInfo, max_cells: int = 2048, *, show_private: bool = False,
+                   marked: str | None = None) -> str:
     """The legend and both pools as grids of cells; hovering a cell names its block, and with
     `show_private` (the operator's view only) its owners and hash (see ui/panel/block_grid.py)."""
     legend = "".join(f"<span class='kv-key'><i style='background:{color}'></i>{html.escape(text)}</span>"
                      for _, color, text in _LEGEND)
     if not show_private:
         legend += f"<span class='kv-key' data-note='private'>{html.escape(PRIVATE_NOTE)}</span>"
+    if marked is not None:
+        legend += "<span class='kv-key' data-note='marked'><i class='kv-marked'></i>outlined: your chat's blocks</span>"
     device = 'Device pool ("GPU", in main memory)' if info.on_cpu else f"Device pool ({info.device})"
-    grid = (block_map.block_size, max_cells, show_private)
+    grid = (block_map.block_size, max_cells, show_private, marked)
     return (f"<div class='kv-map'><div class='kv-legend'>{legend}</div>"
             f"{_pool_html('device', device, block_map.device, *grid)}"
             f"{_pool_html('host', 'Host pool (CPU swap space)', block_map.host, *grid)}"
@@ -178,6 +182,7 @@ def load_status_html(status: LoadStatus) -> str:
 
 PANEL_CSS = """
 .kv-header div { margin: 2px 0; }
+.kv-marked { outline: 2px solid #111827; outline-offset: -1px; }
 .kv-note { color: #92400e; }
 .kv-legend { display: flex; gap: 16px; flex-wrap: wrap; margin-bottom: 6px; }
 .kv-key i { display: inline-block; width: 12px; height: 12px; margin-right: 4px; vertical-align: middle; }
