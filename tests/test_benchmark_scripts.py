@@ -53,7 +53,8 @@ def test_soak_script_short(tiny_model_dir):
     """The soak's short run: real gradio_client users against the app in a child process, some
     leaving mid-reply and some sending bad input; nothing may be lost, leaked or left hanging."""
     figures = last_json_line(["benchmarks/soak.py", "--users", "4", "--minutes", "0.25", "--model", tiny_model_dir,
-                              "--think-s", "0.3", "--leave-share", "0.25", "--bad-share", "0.15", "--hang-s", "60"])
+                              "--think-s", "0.3", "--leave-share", "0.25", "--bad-share", "0.15", "--hang-s", "60",
+                              "--ramp-s", "1"])
     assert figures["replies_finished"] > 0 and figures["left_mid_reply"] + figures["bad_input_refused"] > 0
     assert figures["replies_lost"] == 0 and figures["hung"] == 0 and figures["errors"] == 0, figures
     assert figures["blocks_left"] == 0 and figures["requests_left"] == 0

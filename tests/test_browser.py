@@ -613,9 +613,22 @@ def test_screenshot_of_the_real_model_mid_conversation(browser, tmp_path):
         page.evaluate("window.scrollTo(0, 0)")  # the chat at the top; it scrolls itself to the end
         target.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(target))
+        # The same chat on a phone: the sidebar folded, the chat above the meter and the input.
+        phone_target = target.with_name(target.stem + "-phone" + target.suffix)
+        phone = profile.open(viewport=PHONE)
+        toggle = phone.get_by_role("button", name="Toggle Sidebar")
+        expect(phone.locator(".sidebar")).not_to_have_class(re.compile(r"\bopen\b"))
+        toggle.click()  # open the folded sidebar, pick the chat, fold it again
+        phone.get_by_role("radio", name="Give me a one-line tip for brewing green tea.").check()
+        toggle.click()
+        expect(phone.locator(".sidebar")).not_to_have_class(re.compile(r"\bopen\b"))
+        phone.wait_for_timeout(500)  # the sidebar's slide
+        expect(bubbles(phone, "bot")).to_have_count(2)
+        expect(phone.locator(".pc-meter")).not_to_have_attribute("data-tokens", "0")
+        phone.screenshot(path=str(phone_target))
         profile.context.close()
         assert profile.errors == []
-        assert png_size(target) == (1280, 800)
+        assert png_size(target) == (1280, 800) and png_size(phone_target) == (390, 844)
     finally:
         server.close()
         client.close()
