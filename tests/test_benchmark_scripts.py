@@ -52,7 +52,7 @@ def test_throughput_script_random_tiny():
 def test_soak_script_short(tiny_model_dir):
     """The soak's short run: real gradio_client users against the app in a child process, some
     leaving mid-reply and some sending bad input; nothing may be lost, leaked or left hanging."""
-    figures = last_json_line(["benchmarks/soak.py", "--users", "4", "--minutes", "0.25", "--model", tiny_model_dir,
+    figures = last_json_line(["benchmarks/soak.py", "--users", "4", "--minutes", "0.15", "--model", tiny_model_dir,
                               "--think-s", "0.3", "--leave-share", "0.25", "--bad-share", "0.15", "--hang-s", "60",
                               "--ramp-s", "1"])
     assert figures["replies_finished"] > 0 and figures["left_mid_reply"] + figures["bad_input_refused"] > 0

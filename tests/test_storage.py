@@ -389,6 +389,7 @@ def test_a_later_migration_upgrades_an_existing_database(tmp_path):
     later()(storage.schema.drop_conversation_model)
     later()(storage.schema.add_message_backend)
     later()(storage.schema.add_message_branches)
+    later()(storage.schema.add_context_fitting)
 
     @later()
     def add_pinned(db):
@@ -397,7 +398,7 @@ def test_a_later_migration_upgrades_an_existing_database(tmp_path):
     db = storage.connect(path)
     storage.migrate(db, later)
     storage.migrate(db, later)  # idempotent
-    assert storage.schema_version(db, later) == 5
+    assert storage.schema_version(db, later) == 6
     db.close()
     with Store(path) as s:
         assert s.conversation("ada", c["id"])["pinned"] == 0
@@ -426,11 +427,13 @@ def test_a_version_1_database_loses_the_model_column_and_keeps_every_row(tmp_pat
         assert "model" not in s.db["conversations"].columns_dict
         assert list(s.db["users"].rows) == before["users"]
         question, answer = before["messages"]
-        assert list(s.db["messages"].rows) == [  # version 3's backend; version 4's branch, in the old order
-            {**question, "backend": None, "parent_id": None}, {**answer, "backend": None, "parent_id": question["id"]}]
+        # Version 3's backend; version 4's branch, in the old order; version 5's context fitting, off.
+        assert list(s.db["messages"].rows) == [
+            {**question, "backend": None, "parent_id": None, "left_out": None},
+            {**answer, "backend": None, "parent_id": question["id"], "left_out": None}]
         [old] = before["conversations"]
         del old["model"]
-        assert s.conversations("ada") == [{**old, "leaf_id": answer["id"]}]
+        assert s.conversations("ada") == [{**old, "leaf_id": answer["id"], "fit_context": 0}]
         assert [(m["content"], m["version"], m["versions"]) for m in s.messages("ada", 7)] == [
             ("How are KV blocks allocated?", 1, 1), ("From a free pool.", 1, 1)]
         assert [c["id"] for c in s.search("ada", "blocks")] == [7]      # the FTS triggers survive
