@@ -1,12 +1,15 @@
 """The decoder's weight matmul (engine/worker/models/linear.py) equals F.linear on every path it
 takes on a CPU: the plain weight for one or two fp32 rows, oneDNN's prepacked copy for more (and
 for every bf16 batch), with and without a bias, and an empty batch (a step that only fills the
-cache)."""
+cache); and the few-row layout is settled by timing both on the weights."""
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.worker.models.linear import PLAIN_FP32_ROWS, Linear
+from engine.worker.models import linear as linear_module
+from engine.worker.models.linear import PLAIN_FP32_ROWS, Linear, settle_few_row_path
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])
@@ -28,3 +31,34 @@ def test_bf16_keeps_only_the_packed_copy_and_fp32_both():
     bf16, fp32 = Linear(torch.randn(8, 16, dtype=torch.bfloat16)), Linear(torch.randn(8, 16))
     assert bf16.weight is None and bf16.packed is not None
     assert fp32.weight is not None and fp32.packed is not None
+
+
+def _slowed(function):
+    def slow(*args, **kwargs):
+        time.sleep(0.002)
+        return function(*args, **kwargs)
+    return slow
+
+
+@pytest.mark.parametrize("slower, kept", [("plain", "packed"), ("packed", "plain")])
+def test_the_few_row_layout_is_the_faster_one(monkeypatch, slower, kept):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("a torch build without oneDNN keeps the plain weight only")
+    torch.manual_seed(0)
+    weights = [(torch.randn(48, 32), torch.randn(48)), (torch.randn(32, 48), None)]
+    linears = [Linear(w.clone(), None if b is None else b.clone()) for w, b in weights]
+    if slower == "plain":
+        monkeypatch.setattr(linear_module.F, "linear", _slowed(F.linear))
+    else:
+        monkeypatch.setattr(Linear, "packed_matmul", _slowed(Linear.packed_matmul))
+    assert settle_few_row_path(linears) == kept
+    monkeypatch.undo()
+    assert all((linear.weight is None) == (kept == "packed") for linear in linears)
+    for rows in (1, PLAIN_FP32_ROWS, PLAIN_FP32_ROWS + 1):  # every batch size still computes the same
+        x = torch.randn(rows, 32)
+        expected = F.linear(F.linear(x, *weights[0]), *weights[1])
+        torch.testing.assert_close(linears[1](linears[0](x)), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_has_nothing_to_settle():
+    assert settle_few_row_path([Linear(torch.randn(8, 16, dtype=torch.bfloat16))]) == "fixed"

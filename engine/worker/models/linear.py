@@ -12,19 +12,23 @@ memory):
 | 4 | 48.4 | 38.7 | 24.5 | 17.7 |
 | 32 | 91.8 | 62.6 | 31.9 | 22.1 |
 
-So in bf16 the packed copy replaces the plain one. In fp32, one or two rows (a chat or two
-decoding) still go through the plain weight (BLAS's matrix-vector path streams it at memory
-speed), more rows through the packed copy: fp32 on a CPU holds each weight twice. An AMD EPYC
-without AMX showed the same ordering at 32 rows (1.2-1.4x for packed). Elsewhere (CUDA, or a
-build without oneDNN) the plain weight and `F.linear`.
+and on a 2-core AMD EPYC (Zen 5): 1 row fp32 plain 33.2 ms, packed 15.0; bf16 plain 11.9,
+packed 6.3. So in bf16 the packed copy replaces the plain one everywhere. In fp32, which layout
+streams a single row faster depends on the CPU (BLAS's matrix-vector path on the Xeon, oneDNN on
+the EPYC): `settle_few_row_path` times both on the model's own weights once, at load, and drops
+the plain copy where packed wins (on the Xeon fp32 holds each weight twice). Elsewhere (CUDA, or
+a build without oneDNN) the plain weight and `F.linear`.
 """
 from __future__ import annotations
+
+import time
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 PACK_ROWS = 32     # the batch size oneDNN lays the packed weight out for
-PLAIN_FP32_ROWS = 2  # fp32 batches up to this many rows use the plain weight
+PLAIN_FP32_ROWS = 2  # fp32 batches up to this many rows may use the plain weight
 
 
 class Linear:
@@ -43,10 +47,42 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and (self.weight is None or x.shape[0] > PLAIN_FP32_ROWS):
-            if not x.shape[0]:  # oneDNN refuses an empty batch (a step that only fills the cache)
-                return x.new_empty((0, self.out_features))
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return self.packed_matmul(x)
         return F.linear(x, self.weight, self.bias)
+
+    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.shape[0]:  # oneDNN refuses an empty batch (a step that only fills the cache)
+            return x.new_empty((0, self.out_features))
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def numel(self) -> int:
         return self.out_features * self.in_features + (self.bias.numel() if self.bias is not None else 0)
+
+
+def settle_few_row_path(linears: Sequence[Linear], rounds: int = 3) -> str:
+    """For weights kept both plain and packed (fp32 on a CPU), time one row through every one of
+    `linears` each way, in the model's order so the weights stream from memory as in a decode
+    step, and keep only the packed copy when it is faster. Returns "plain", "packed" or "fixed"
+    (nothing to choose). Costs a few model-sized passes (~0.1-0.2 s for a 135M model)."""
+    both = [linear for linear in linears if linear.weight is not None and linear.packed is not None]
+    if not both:
+        return "fixed"
+    rows = {n: torch.randn(1, n, dtype=both[0].weight.dtype) for n in {linear.in_features for linear in both}}
+
+    def best(matmul) -> float:
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for linear in both:
+                matmul(linear, rows[linear.in_features])
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    with torch.inference_mode():
+        plain = best(lambda linear, x: F.linear(x, linear.weight, linear.bias))
+        packed = best(Linear.packed_matmul)
+    if packed < plain:
+        for linear in both:
+            linear.weight = None
+        return "packed"
+    return "plain"
