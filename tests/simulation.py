@@ -43,20 +43,26 @@ def expected(req: Request, max_model_len: int, sample_index: int = 0) -> list[in
 def expected_block_map(scheduler) -> BlockMap:
     """The block map read straight off the pools and the block tables: the oracle for the
     scheduler's incrementally kept one."""
-    def infos(pool, owner_of):
+    def infos(pool, owner_of, preset):
         out = []
         for block in pool.blocks:
             state = (BlockState.USED if block.ref_count else
                      BlockState.CACHED if block.block_hash is not None else BlockState.FREE)
             out.append(BlockInfo(block.block_id, state, block.ref_count, block.num_tokens, block.block_hash,
-                                 tuple(owner_of.get(block.block_id, ()))))
+                                 tuple(owner_of.get(block.block_id, ())), block.block_id in preset))
         return tuple(out)
 
-    device, host = {}, {}
-    for request in scheduler.requests.values():
-        for block_id in request.block_ids:
-            device.setdefault(block_id, []).append(request.request_id)
-        for block_id in request.host_block_ids:
-            host.setdefault(block_id, []).append(request.request_id)
     kv = scheduler.kv
-    return BlockMap(kv.block_size, infos(kv.device, device), infos(kv.host, host))
+    device, host, device_preset, host_preset = {}, {}, set(), set()
+    for request in scheduler.requests.values():
+        # Blocks wholly inside a salted request's shared prefix are hashed without its salt.
+        unsalted = request.num_shared_prefix_tokens // kv.block_size if request.cache_salt is not None else 0
+        for i, block_id in enumerate(request.block_ids):
+            device.setdefault(block_id, []).append(request.request_id)
+            if i < unsalted:
+                device_preset.add(block_id)
+        for i, block_id in enumerate(request.host_block_ids):
+            host.setdefault(block_id, []).append(request.request_id)
+            if i < unsalted:
+                host_preset.add(block_id)
+    return BlockMap(kv.block_size, infos(kv.device, device, device_preset), infos(kv.host, host, host_preset))

@@ -22,7 +22,8 @@ def check_round_trip(engine: LLMEngine) -> BlockMap:
         rebuilt = getattr(back, pool)
         assert len(rebuilt) == len(original), pool
         for a, b in zip(original, rebuilt):
-            assert (b.block_id, b.state, b.ref_count) == (a.block_id, a.state, a.ref_count), (pool, a, b)
+            assert (b.block_id, b.state, b.ref_count, b.shared_prefix) == (a.block_id, a.state, a.ref_count,
+                                                                            a.shared_prefix), (pool, a, b)
             assert b.owners == a.owners[:1]  # the JSON carries a block's first owner only
             assert b.block_hash is None and b.num_tokens == 0
         assert block_grid.summary_of(rebuilt) == block_grid.summary_of(original), pool
@@ -51,6 +52,27 @@ def test_round_trip_on_a_running_engine_with_shared_cached_and_swapped_blocks(ti
             seen[pool] |= {block_grid.state_of(b) for b in getattr(back, pool)}
     # the run had prefix hits (shared), its own blocks, cached and free ones, and swaps to the host
     assert seen["device"] == {"free", "cached", "used", "shared"} and "used" in seen["host"]
+
+
+def test_round_trip_carries_which_blocks_hold_a_preset_system_prompt(tiny_model_dir):
+    engine = LLMEngine(tiny_model_dir, num_gpu_blocks=32, num_cpu_blocks=8, block_size=4)
+    preset = {"role": "system", "content": "You are a helpful, concise assistant. Answer clearly."}
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for user in ("ada", "bob"):
+        engine.add_request(f"{user}/1", [preset, {"role": "user", "content": f"Hello, I am {user}"}], params,
+                           cache_salt=user, num_shared_messages=1)
+    engine.step()
+    back = check_round_trip(engine)
+    flags = [b.shared_prefix for b in back.device]
+    assert any(flags) and not all(b.shared_prefix for b in back.device if b.state is BlockState.USED)
+
+
+def test_a_body_without_the_shared_prefix_field_reads_with_no_block_flagged():
+    assert "shared_prefix" not in GOOD["device"]  # as an older PagedChat server sends it
+    block_map, _ = block_map_from_kv_cache_json(GOOD)
+    assert not any(b.shared_prefix for b in block_map.device + block_map.host)
+    body = changed("device.shared_prefix", [[1, 1], [0, 2]])
+    assert [b.shared_prefix for b in block_map_from_kv_cache_json(body)[0].device] == [True, False, False]
 
 
 def test_the_rebuilt_map_renders_with_the_panels_block_map():
@@ -105,6 +127,9 @@ def test_a_good_body_reads():
     (changed("device.owners", [[1, 1], [-1, 2]]), r"device\.owners: owner index 1 out of range \(1 requests\)"),
     (changed("device.owners", [[-2, 1], [-1, 2]]), r"device\.owners\[0\]: expected \[value >= -1"),
     (changed("device.ref_counts", [[-1, 3]]), r"device\.ref_counts\[0\]: expected \[value >= 0"),
+    (changed("device.shared_prefix", [[2, 3]]), r"device\.shared_prefix\[0\]: expected \[value 0\.\.1"),
+    (changed("device.shared_prefix", [[1, 2]]), r"device\.shared_prefix: runs add up to 2 blocks, num_blocks is 3"),
+    (changed("host.shared_prefix", "yes"), r"host\.shared_prefix: expected a list"),
     (changed("device.ref_counts", [[1, 0], [0, 3]]), r"device\.ref_counts\[0\]: .*run length >= 1"),
     (changed("device.ref_counts", [[1, 1, 1], [0, 2]]), r"device\.ref_counts\[0\]"),
     (changed("device.ref_counts", [["1", 1], [0, 2]]), r"device\.ref_counts\[0\]"),

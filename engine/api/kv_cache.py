@@ -1,6 +1,7 @@
 """`GET /v1/kv_cache`: the engine's pools and every block's state as compact JSON, for a remote
 app's panel. A pool of 100k blocks is a few hundred kilobytes: one character per block's state,
-and run-length lists for ref counts and owners (mostly runs of the same value)."""
+and run-length lists for ref counts, owners and the shared-prefix flag (mostly runs of the same
+value)."""
 from __future__ import annotations
 
 from engine.core.block_map import BlockInfo, BlockMap, BlockState
@@ -11,8 +12,10 @@ STATE_CODES = {BlockState.FREE: "f", BlockState.CACHED: "c", BlockState.USED: "u
 
 
 def kv_cache_json(info: EngineInfo, stats: SchedulerStats, block_map: BlockMap) -> dict:
-    """Pool sizes and usage, then per pool: `states` (one of f/c/u per block), `ref_counts` and
-    `owners` as [value, run length] pairs; an owner is an index into `requests` (or -1)."""
+    """Pool sizes and usage, then per pool: `states` (one of f/c/u per block), `ref_counts`,
+    `owners` and `shared_prefix` as [value, run length] pairs; an owner is an index into
+    `requests` (or -1); `shared_prefix` is 1 for a block holding a preset system prompt (the
+    unsalted prefix every user shares, `BlockInfo.shared_prefix`), else 0."""
     requests: dict[str, int] = {}
     return {
         "model": info.model, "block_size": block_map.block_size, "max_model_len": info.max_model_len,
@@ -33,7 +36,8 @@ def _pool(blocks: tuple[BlockInfo, ...], requests: dict[str, int]) -> dict:
 
     return {"states": "".join(STATE_CODES[b.state] for b in blocks),
             "ref_counts": _runs(b.ref_count for b in blocks),
-            "owners": _runs(owner(b) for b in blocks)}
+            "owners": _runs(owner(b) for b in blocks),
+            "shared_prefix": _runs(int(b.shared_prefix) for b in blocks)}
 
 
 def _runs(values) -> list[list[int]]:
@@ -52,7 +56,8 @@ _STATES_BY_CODE = {code: state for state, code in STATE_CODES.items()}
 def block_map_from_kv_cache_json(data: dict, *, device: str = "remote") -> tuple[BlockMap, EngineInfo]:
     """The inverse of `kv_cache_json`, for drawing a remote server's pools with the panel's block
     map. The JSON carries no hashes, token counts or owners past the first: blocks come back with
-    `block_hash=None`, `num_tokens=0` and at most one owner. The info's `device` is what the
+    `block_hash=None`, `num_tokens=0` and at most one owner. `shared_prefix` may be missing (older
+    PagedChat servers do not send it): then no block is flagged. The info's `device` is what the
     caller says (the server does not tell), its dtype and kernels "unknown". Raises ValueError
     naming what is wrong in a malformed body (it comes from another machine)."""
     if not isinstance(data, dict):
@@ -96,19 +101,23 @@ def _pool_blocks(pool: object, name: str, requests: list[str]) -> tuple[BlockInf
     owners = _unrun(pool.get("owners"), f"{where}.owners", num_blocks, minimum=-1)
     if owners and max(owners) >= len(requests):
         raise ValueError(f"{where}.owners: owner index {max(owners)} out of range ({len(requests)} requests)")
-    return tuple(BlockInfo(block_id, _STATES_BY_CODE[code], refs, 0, None, (requests[owner],) if owner >= 0 else ())
-                 for block_id, (code, refs, owner) in enumerate(zip(codes, ref_counts, owners)))
+    shared = ([0] * num_blocks if pool.get("shared_prefix") is None
+              else _unrun(pool["shared_prefix"], f"{where}.shared_prefix", num_blocks, minimum=0, maximum=1))
+    return tuple(BlockInfo(block_id, _STATES_BY_CODE[code], refs, 0, None, (requests[owner],) if owner >= 0 else (),
+                           bool(flag))
+                 for block_id, (code, refs, owner, flag) in enumerate(zip(codes, ref_counts, owners, shared)))
 
 
-def _unrun(runs: object, where: str, num_blocks: int, minimum: int) -> list[int]:
+def _unrun(runs: object, where: str, num_blocks: int, minimum: int, maximum: int | None = None) -> list[int]:
     """[value, run length] pairs back to one value per block; the runs must cover the pool exactly."""
     if not isinstance(runs, list):
         raise ValueError(f"{where}: expected a list of [value, run length] pairs")
+    allowed = f">= {minimum}" if maximum is None else f"{minimum}..{maximum}"
     for i, run in enumerate(runs):
         if (not isinstance(run, list) or len(run) != 2
                 or not all(isinstance(x, int) and not isinstance(x, bool) for x in run)
-                or run[0] < minimum or run[1] < 1):
-            raise ValueError(f"{where}[{i}]: expected [value >= {minimum}, run length >= 1], got {run!r}")
+                or run[0] < minimum or (maximum is not None and run[0] > maximum) or run[1] < 1):
+            raise ValueError(f"{where}[{i}]: expected [value {allowed}, run length >= 1], got {run!r}")
     total = sum(length for _, length in runs)  # checked before expanding: a hostile length stays a number
     if total != num_blocks:
         raise ValueError(f"{where}: runs add up to {total} blocks, num_blocks is {num_blocks}")

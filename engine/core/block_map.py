@@ -6,6 +6,11 @@ blocks). Instead each pool records which blocks changed (`BlockPool.dirty`), and
 owned by the scheduler keeps numpy copies of the per-block fields current from those alone. The
 engine thread's share of a snapshot is that update plus array and block-table copies
 (`BlockMapState`); the reader's thread turns the state into `BlockInfo`s (`build()`).
+
+Which blocks hold a shared prefix (a preset system prompt, hashed without the user's salt:
+engine/core/block_hash.py) is not a property of the block but of the requests holding it: a
+request's first `num_shared_prefix_tokens // block_size` blocks. So the tables carry that
+count per request, and `build()` flags the blocks from it.
 """
 from __future__ import annotations
 
@@ -33,6 +38,9 @@ class BlockInfo:
     num_tokens: int
     block_hash: int | None
     owners: tuple[str, ...]  # request ids whose block tables hold it
+    # It lies within some owner's shared prefix: the unsalted blocks every user of a preset
+    # system prompt hits (engine/core/block_hash.py). False for blocks no request holds.
+    shared_prefix: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,29 +86,45 @@ class BlockMapState:
     block_size: int
     device: PoolState
     host: PoolState
-    tables: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]  # (request id, device ids, host ids)
+    # (request id, device ids, host ids, how many leading blocks hold its unsalted shared prefix)
+    tables: tuple[tuple[str, tuple[int, ...], tuple[int, ...], int], ...]
 
     @staticmethod
     def take(device: PoolMirror, host: PoolMirror, requests: Iterable[Request]) -> BlockMapState:
-        tables = tuple((r.request_id, tuple(r.block_ids), tuple(r.host_block_ids)) for r in requests)
-        return BlockMapState(device.pool.block_size, device.sync(), host.sync(), tables)
+        block_size = device.pool.block_size
+        tables = tuple((r.request_id, tuple(r.block_ids), tuple(r.host_block_ids),
+                        num_shared_prefix_blocks(r, block_size)) for r in requests)
+        return BlockMapState(block_size, device.sync(), host.sync(), tables)
 
     def build(self) -> BlockMap:
         device_owners: dict[int, list[str]] = {}
         host_owners: dict[int, list[str]] = {}
-        for request_id, device_ids, host_ids in self.tables:
+        device_shared: set[int] = set()
+        host_shared: set[int] = set()
+        for request_id, device_ids, host_ids, num_shared in self.tables:
             for block_id in device_ids:
                 device_owners.setdefault(block_id, []).append(request_id)
             for block_id in host_ids:
                 host_owners.setdefault(block_id, []).append(request_id)
-        return BlockMap(self.block_size, _block_infos(self.device, device_owners),
-                        _block_infos(self.host, host_owners))
+            # A swapped request's host table lists its blocks in the same order as its device table did.
+            device_shared.update(device_ids[:num_shared])
+            host_shared.update(host_ids[:num_shared])
+        return BlockMap(self.block_size, _block_infos(self.device, device_owners, device_shared),
+                        _block_infos(self.host, host_owners, host_shared))
 
 
-def _block_infos(pool: PoolState, owners: dict[int, list[str]]) -> tuple[BlockInfo, ...]:
+def num_shared_prefix_blocks(request: Request, block_size: int) -> int:
+    """Leading blocks of the request hashed without its salt: whole blocks of its shared prefix.
+    Without a salt nothing is salted, but nothing is a preset either: no block counts."""
+    if request.cache_salt is None:
+        return 0
+    return request.num_shared_prefix_tokens // block_size
+
+
+def _block_infos(pool: PoolState, owners: dict[int, list[str]], shared: set[int]) -> tuple[BlockInfo, ...]:
     used, cached, free = BlockState.USED, BlockState.CACHED, BlockState.FREE
     return tuple(
         BlockInfo(block_id, used if refs else cached if block_hash is not None else free, refs, tokens, block_hash,
-                  tuple(owners.get(block_id, ())))
+                  tuple(owners.get(block_id, ())), block_id in shared)
         for block_id, (refs, tokens, block_hash) in enumerate(zip(pool.ref_count.tolist(), pool.num_tokens.tolist(),
                                                                   pool.hashes)))
