@@ -295,6 +295,22 @@ def test_the_context_meter_is_the_engines_numbers(chat, store, client):
     assert use.cached > 0 and not use.near_limit
 
 
+@pytest.mark.anyio
+async def test_the_memory_of_a_preset_chat_alone_counts_its_preset_blocks_as_shared(chat, store, client, slow_engine):
+    user = new_user()
+    conversation_id = (await aturn(chat, user, "Remember me"))[-1].conversation_id
+    assert engine_idle(client)  # no other chat holds the preset's blocks
+    views, _ = await streaming(chat, user, conversation_id)
+    seen = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (seen and seen[-1].shared and seen[-1].own):
+        seen.append(chat.memory(user, conversation_id)[0])
+        await asyncio.sleep(0.1)  # the monitor reads a new map once a second
+    # The preset's 23 tokens fill one 16-token block, read from the prefix cache; the rest is its own.
+    assert seen[-1].shared == 1 and seen[-1].own > 0 and seen[-1].host == 0, seen
+    await views.aclose()
+
+
 def test_a_full_chat_leaves_out_its_oldest_turns_only_when_asked(chat, store, client):
     user = new_user()
     phrase = "lighthouse keepers watch the sea "

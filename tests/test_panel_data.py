@@ -184,6 +184,13 @@ def test_a_visitors_cells_name_no_owners_and_no_hashes():
     assert [(c.state, c.color, c.counts) for c in operator] == [(c.state, c.color, c.counts) for c in visitor]
 
 
+def test_a_block_holding_a_preset_system_prompt_says_so_to_everyone():
+    alone = dataclasses.replace(info(2, BlockState.USED, 1, ["a"], 4), shared_prefix=True)
+    visitor, operator = block_cells([alone])[0], block_cells([alone], show_private=True)[0]
+    assert visitor.title == "block 2: used; refs 1; tokens 4; preset system prompt" and visitor.state == "used"
+    assert operator.title.startswith(visitor.title + "; owners a")
+
+
 def test_owner_colour_is_stable_and_never_the_shared_orange():
     for i in range(500):
         colour = owner_color(f"req-{i}")

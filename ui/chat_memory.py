@@ -1,11 +1,14 @@
 """The strip under the message box: this chat's KV blocks, from its backend's block map.
 
 A chat's requests are named `chat<id>/<turn>` (ui/stream.py), and the block map lists each
-block's owners, so the chat's blocks are those an owner of it holds: on the device, "shared"
-when another request holds the block too (as the panel counts it: a preset system prompt's
-blocks while other chats on that preset are being answered), "own" otherwise; on the host,
-swapped out under memory pressure. Between replies a chat holds no block (what it wrote stays
-in the prefix cache, free until evicted).
+block's owners, so the chat's blocks are those an owner of it holds. On the device, "shared"
+are the blocks holding its preset system prompt: the engine hashes those without the user's
+salt, so every chat on that preset reads the same blocks from the prefix cache, and the block
+map flags them (`BlockInfo.shared_prefix`). They count as shared even while this chat is the
+only one holding them, since that is what the prefix cache keeps for the next chat. "Own" are
+the rest of its device blocks: its messages and replies, which only its user's requests can
+hit. On the host: its blocks swapped out under memory pressure. Between replies a chat holds
+no block (what it wrote stays in the prefix cache, free until evicted).
 """
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ MAX_SQUARES = 64  # beyond this, the squares stand for several blocks each
 
 @dataclass(frozen=True)
 class ChatMemory:
-    shared: int      # device blocks it holds with other requests
-    own: int         # device blocks only it holds
+    shared: int      # device blocks holding its preset system prompt, the same for every chat on it
+    own: int         # its other device blocks
     host: int        # its blocks swapped to host memory
     block_size: int
 
@@ -49,7 +52,7 @@ def chat_memory(block_map: BlockMap, keys: set[str]) -> ChatMemory:
     shared = own = 0
     for block in block_map.device:
         if block.owners and mine(block.owners):
-            if block.ref_count > 1:
+            if block.shared_prefix:
                 shared += 1
             else:
                 own += 1
@@ -70,8 +73,11 @@ def strip_html(memory: ChatMemory | None, key: str | None) -> str:
     squares = "".join(f'<span class="pc-kv pc-kv-{kind}"></span>' * -(-count // per)
                       for kind, count in (("shared", memory.shared), ("own", memory.own), ("host", memory.host)))
     if memory.total:
-        words = (f"KV blocks of {memory.block_size} tokens: {memory.shared} shared with other chats · "
-                 f"{memory.own} its own · {memory.host} swapped to the host")
+        # A chat without a preset has nothing to share: it is not told about "0 shared".
+        preset = (f"{memory.shared} shared (the preset system prompt, the same blocks for every chat on it) · "
+                  if memory.shared else "")
+        words = (f"KV blocks of {memory.block_size} tokens: {preset}{memory.own} its own · "
+                 f"{memory.host} swapped to the host")
         if per > 1:
             words += f" (a square is {per} blocks)"
     else:

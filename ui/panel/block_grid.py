@@ -2,8 +2,10 @@
 
 Works from the immutable `engine.BlockMap` snapshot only. Each block is a cell with a
 state class ("free", "cached", "used", or "shared": used with ref_count > 1), a colour and a
-hover title. A pool with more blocks than `max_cells` is drawn with consecutive blocks merged
-into one cell, coloured by its most common state, whose title gives the counts per state.
+hover title, which also says when the block holds a preset system prompt (the chat page's
+memory strip counts those as shared even while one chat alone holds them). A pool with more
+blocks than `max_cells` is drawn with consecutive blocks merged into one cell, coloured by its
+most common state, whose title gives the counts per state.
 
 A block's owners (request ids, which name conversations) and its prefix-cache hash are private:
 a visitor could probe other users' conversations with them, so only cells built for the operator
@@ -70,6 +72,8 @@ def _color(state: str, owners: tuple[str, ...] | list[str]) -> str:
 
 def _block_title(info: BlockInfo, state: str, show_private: bool) -> str:
     parts = [f"block {info.block_id}: {state}", f"refs {info.ref_count}", f"tokens {info.num_tokens}"]
+    if info.shared_prefix:  # public text, the same for everyone: no reason to hide it from a visitor
+        parts.append("preset system prompt")
     if show_private and info.owners:
         parts.append("owners " + ", ".join(info.owners))
     if show_private and info.block_hash is not None:
