@@ -23,11 +23,21 @@ def backend(tensor: torch.Tensor) -> str:
     return "triton" if tensor.is_cuda else "torch"
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+def store_kv(key, value, k_cache, v_cache, slot_mapping, slot_index=None) -> None:
+    """`slot_index`: the torch path's (blocks, offsets) of the slots, made once per step
+    (`slot_index(...)`); the Triton kernel reads `slot_mapping` itself."""
     if backend(k_cache) == "triton":
         from kernels import triton_cache
         return triton_cache.store_kv(key, value, k_cache, v_cache, slot_mapping)
-    return reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    return reference.store_kv(key, value, k_cache, v_cache, slot_mapping, slot_index)
+
+
+def slot_index(slots: list[int], block_size: int, cache: torch.Tensor):
+    """What the torch path's `store_kv` wants beside the slots, built once per step (None for
+    the Triton path, which reads the slots on the device)."""
+    if backend(cache) == "triton":
+        return None
+    return reference.slot_index(slots, block_size, cache.device)
 
 
 def plan_attention(q_lens: list[int], k_lens: list[int], num_heads: int, kv_heads: int, head_dim: int,
@@ -67,4 +77,4 @@ def copy_blocks(cache, pairs) -> None:
 
 swap_blocks = reference.swap_blocks
 
-__all__ = ["backend", "copy_blocks", "paged_attention", "plan_attention", "store_kv", "swap_blocks"]
+__all__ = ["backend", "copy_blocks", "paged_attention", "plan_attention", "slot_index", "store_kv", "swap_blocks"]

@@ -15,16 +15,26 @@ import torch.nn.functional as F
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, slot_index: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write `key`/`value` `[num_tokens, num_kv_heads, head_dim]` into the caches at
-    `slot_mapping` (block * block_size + offset); slot -1 marks padding and is skipped."""
-    block_size = k_cache.shape[1]
-    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
-        keep = slot_mapping >= 0
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    `slot_mapping` (block * block_size + offset); slot -1 marks padding and is skipped.
+    `slot_index`: the same slots as (blocks, offsets), worked out once per step by the caller
+    (`slot_index(...)`), so that the 30-odd layers of a step do not each divide and check them."""
+    if slot_index is None:
+        block_size = k_cache.shape[1]
+        if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+            keep = slot_mapping >= 0
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        slot_index = (slot_mapping // block_size, slot_mapping % block_size)
+    blocks, offsets = slot_index
     k_cache[blocks, offsets] = key
     v_cache[blocks, offsets] = value
+
+
+def slot_index(slots: list[int], block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks, offsets) of a step's new tokens, from the host-side slots (no padding)."""
+    return (torch.tensor([slot // block_size for slot in slots], dtype=torch.int64, device=device),
+            torch.tensor([slot % block_size for slot in slots], dtype=torch.int64, device=device))
 
 
 SHORT_QUERY = 64  # sequences with at most this many queries are batched together

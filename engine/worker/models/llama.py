@@ -25,6 +25,7 @@ class AttentionMetadata:
     seqused_k: torch.Tensor      # [num_seqs] context length after this step
     block_table: torch.Tensor    # [num_seqs, max_blocks] int32
     plan: object = None          # the kernels' per-step tiling (kernels.plan_attention), if they use one
+    slot_index: object = None    # the slots as the kernels' store wants them (kernels.slot_index), if it does
 
 
 @dataclass
@@ -124,21 +125,22 @@ class LlamaModel:
         hidden = F.embedding(input_ids, self.embed)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
+        num_qk_heads = self.num_heads + self.num_kv_heads
         for index, layer in enumerate(self.layers):
             x = _rms_norm(hidden, layer.input_norm, self.eps)
             qkv = layer.qkv(x)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = _rotate(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-            k = _rotate(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            # q and k rotate together: one set of small ops per layer instead of two.
+            qk = _rotate(qkv[:, :q_size + kv_size].view(-1, num_qk_heads, self.head_dim), cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
             k_cache, v_cache = kv_cache[:, index, 0], kv_cache[:, index, 1]
-            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.slot_index)
             attn = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
                                            meta.block_table, self.scale, attention_plan=meta.plan)
             hidden = hidden + layer.o_proj(attn.reshape(-1, q_size))
             x = _rms_norm(hidden, layer.post_norm, self.eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            hidden = hidden + layer.down(F.silu(gate).mul_(up))
         last = _rms_norm(hidden[logits_indices], self.norm, self.eps)
         return self.lm_head(last).float()
 
