@@ -32,12 +32,12 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, slot_index=None) -> Non
     return reference.store_kv(key, value, k_cache, v_cache, slot_mapping, slot_index)
 
 
-def slot_index(slots: list[int], block_size: int, cache: torch.Tensor):
-    """What the torch path's `store_kv` wants beside the slots, built once per step (None for
-    the Triton path, which reads the slots on the device)."""
+def slot_index(slot_mapping: torch.Tensor, block_size: int, cache: torch.Tensor):
+    """What the torch path's `store_kv` wants beside the slots (no padding), built once per step
+    (None for the Triton path, which reads the slots on the device)."""
     if backend(cache) == "triton":
         return None
-    return reference.slot_index(slots, block_size, cache.device)
+    return reference.slot_index(slot_mapping, block_size)
 
 
 def plan_attention(q_lens: list[int], k_lens: list[int], num_heads: int, kv_heads: int, head_dim: int,

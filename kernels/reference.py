@@ -31,10 +31,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache[blocks, offsets] = value
 
 
-def slot_index(slots: list[int], block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(blocks, offsets) of a step's new tokens, from the host-side slots (no padding)."""
-    return (torch.tensor([slot // block_size for slot in slots], dtype=torch.int64, device=device),
-            torch.tensor([slot % block_size for slot in slots], dtype=torch.int64, device=device))
+def slot_index(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks, offsets) of a step's new tokens, from its slots (no padding)."""
+    return slot_mapping // block_size, slot_mapping % block_size
 
 
 SHORT_QUERY = 64  # sequences with at most this many queries are batched together

@@ -78,9 +78,10 @@ class ModelRunner:
         width = max(len(t) for t in table_rows)
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in table_rows], dtype=torch.int32)
         block_table = block_table.to(device, non_blocking=True)
+        slot_mapping = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
-            slot_index=kernels.slot_index(slots, self.block_size, self.kv_cache),
+            slot_mapping=slot_mapping,
+            slot_index=kernels.slot_index(slot_mapping, self.block_size, self.kv_cache),
             cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
             seqused_k=torch.tensor(k_lens, dtype=torch.int32).to(device, non_blocking=True),
             block_table=block_table,
