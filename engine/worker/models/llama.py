@@ -73,7 +73,7 @@ class LlamaModel:
                 gate_up=Linear(take(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))),
                 down=Linear(take(mlp.down_proj.weight))))
         # Which weight layout one decoding chat streams fastest depends on the CPU: timed here, once.
-        self.few_row_path = settle_few_row_path(
+        settle_few_row_path(
             [linear for layer in self.layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             + [self.lm_head])
         rotary = inner.rotary_emb
