@@ -41,18 +41,19 @@ def slot_index(slot_mapping: torch.Tensor, block_size: int, cache: torch.Tensor)
 
 
 def plan_attention(q_lens: list[int], k_lens: list[int], num_heads: int, kv_heads: int, head_dim: int,
-                   cache: torch.Tensor, num_splits: int | None = None, block_table: torch.Tensor | None = None):
+                   cache: torch.Tensor, num_splits: int | None = None, block_table: torch.Tensor | None = None,
+                   block_size: int | None = None):
     """The step's attention plan, shared by every layer, built on the host from the lengths
     instead of in every layer: the Triton path's tiling (`num_splits` fixes flash-decoding's
     split count; None: from the shape), or the torch path's rows, gathers and masks (which need
-    the step's `block_table`; without it, None and each call plans for itself)."""
+    the step's `block_table` and `block_size`; without them, None and each call plans for itself)."""
     if backend(cache) != "triton":
-        if block_table is None:
+        if block_table is None or block_size is None:
             return None
         cu_q = [0]
         for n in q_lens:
             cu_q.append(cu_q[-1] + n)
-        return reference.plan(cu_q, k_lens, block_table, cache.shape[-3], num_heads, kv_heads, cache.dtype)
+        return reference.plan(cu_q, k_lens, block_table, block_size, num_heads, kv_heads, cache.dtype)
     from kernels import triton_attention
     return triton_attention.plan(q_lens, max(k_lens, default=0), num_heads, kv_heads, head_dim, cache.device,
                                  num_splits)

@@ -1,10 +1,11 @@
 """Torch reference implementations of the paged-KV operations.
 
 They are the CPU path of the engine and the oracle the Triton kernels are tested against.
-Cache layout, shared by every op: one tensor `[num_blocks, num_layers, 2, block_size,
-num_kv_heads, head_dim]`, so each block is one contiguous region across all layers (a swap
-copies one region per block); per-layer K and V caches are the strided views
-`cache[:, layer, 0]` and `cache[:, layer, 1]`, each `[num_blocks, block_size, num_kv_heads, head_dim]`.
+The ops take per-layer K and V caches `[num_blocks, block_size, num_kv_heads, head_dim]`, which
+may be strided views. The engine's cache is one tensor `[num_blocks, num_layers, 2, num_kv_heads,
+block_size, head_dim]`: each block is one contiguous region across all layers (a swap copies one
+region per block), and inside it each head's keys are contiguous (attention reads them per head).
+Its layer views are `cache[:, layer, 0].transpose(1, 2)` and `cache[:, layer, 1].transpose(1, 2)`.
 """
 from __future__ import annotations
 
@@ -56,12 +57,13 @@ class _ShortQueries:
     rows: torch.Tensor       # [num_seqs, max_q] rows of q (padding points at row 0)
     valid: torch.Tensor      # [num_seqs, max_q] which of them are real
     out_rows: torch.Tensor   # rows[valid]
-    own: torch.Tensor        # [num_seqs, blocks] each sequence's blocks after the common ones
-    own_len: int             # keys gathered from them (the longest sequence's)
-    bias: torch.Tensor | None  # [num_seqs, 1, max_q * rep, own_len] additive mask (None: every key allowed)
+    own: torch.Tensor        # [num_seqs * blocks] each sequence's blocks after the common ones, flattened
+    own_len: int             # keys read from them: whole blocks, the longest sequence's
+    bias: torch.Tensor | None  # [num_seqs, max_q * rep, own_len] additive mask (None: every key allowed)
     in_order: bool           # the queries are q's rows 0..num_seqs-1, one each (a batch of decodes)
     shared: torch.Tensor | None  # the blocks every sequence shares, read once for all
     first: int               # keys in the shared blocks
+    alone: int | None = None  # one decoding sequence alone: its number of keys
 
 
 @dataclass
@@ -119,19 +121,31 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens held by `blocks`: `[..., length, num_kv_heads, head_dim]`."""
-    # index_select copies whole block rows; advanced indexing on the strided per-layer view is
-    # ~2x slower here.
-    gathered = cache.index_select(0, blocks.reshape(-1))  # [n, block_size, kv_heads, head_dim]
-    return gathered.view(*blocks.shape[:-1], -1, *cache.shape[2:])[..., :length, :, :]
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+               length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first `length` tokens held by `blocks` `[n]`, per head: each
+    `[num_kv_heads, length, head_dim]` (with `blocks` `[seqs * n]`: `[num_kv_heads, seqs * n * block_size,
+    head_dim]`, every sequence's keys in a row), the layout a batched matmul reads without a copy."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    offset = v_cache.storage_offset() - k_cache.storage_offset()
+    if (k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr()
+            and k_cache.stride() == v_cache.stride() and offset > 0):
+        # One layer's K and V sit a fixed distance apart in one cache tensor: one gather reads
+        # both, with heads outermost. index_select copies a block's run for one head at a time,
+        # whole when the cache is head-major inside a block (`[..., kv_heads, block_size, head_dim]`).
+        both = k_cache.as_strided((2, kv_heads, num_blocks, block_size, head_dim),
+                                  (offset, k_cache.stride(2), k_cache.stride(0), k_cache.stride(1), 1))
+        k, v = both.index_select(2, blocks).view(2, kv_heads, -1, head_dim)
+    else:
+        k = k_cache.permute(2, 0, 1, 3).index_select(1, blocks).view(kv_heads, -1, head_dim)
+        v = v_cache.permute(2, 0, 1, 3).index_select(1, blocks).view(kv_heads, -1, head_dim)
+    return k[:, :length], v[:, :length]
 
 
 def _sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, item: _LongQuery,
                         scale: float) -> torch.Tensor:
     """One long prefill chunk: its context gathered once, then torch's fused attention."""
-    k = _gather(k_cache, item.blocks, item.k_len).transpose(0, 1)  # [kv_heads, k_len, head_dim]
-    v = _gather(v_cache, item.blocks, item.k_len).transpose(0, 1)
+    k, v = _gather_kv(k_cache, v_cache, item.blocks, item.k_len)  # [kv_heads, k_len, head_dim]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=item.mask, scale=scale,
                                          enable_gqa=True)
     return out.transpose(0, 1)
@@ -154,66 +168,72 @@ def _plan_short(starts, q_lens, k_lens, block_table, bs, rep, dtype, causal, seq
     # Each sequence's own keys: positions common*bs .. k_len-1.
     max_len = max(k_lens[i] for i in seqs)
     first, num_blocks = common * bs, -(-max_len // bs) - common
-    own = tables[:, common:common + num_blocks]
-    key_pos = first + torch.arange(max_len - first, device=device)
+    own = tables[:, common:common + num_blocks].reshape(-1).long()
+    # Whole blocks, the keys past a sequence's end masked: a matmul reads a gather of whole blocks
+    # in place, where a view cut to the last key would be copied first.
+    key_pos = first + torch.arange(num_blocks * bs, device=device)
     allowed = key_pos[None, None, :] < lens[:, None, None]                  # [num_seqs, 1, own_len]
     if causal:
         query_pos = (lens - qlens)[:, None] + offsets[None, :]              # [num_seqs, max_q]
         allowed = allowed & (key_pos[None, None, :] <= query_pos[:, :, None])
+    # A query's rep heads are rows q * rep + r of its K/V head's query block.
     allowed = allowed.repeat_interleave(rep, dim=1) if allowed.shape[1] > 1 else allowed.expand(-1, max_q * rep, -1)
     bias = None
     if not bool(allowed.all()):  # one decoding chat needs no mask: it sees every key it has
-        bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))[:, None]
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
     in_order = max_q == 1 and seqs == list(range(len(starts) - 1)) and starts[num_seqs] == num_seqs
-    return _ShortQueries(num_seqs, max_q, rows, valid, rows[valid], own, max_len - first, bias, in_order,
-                         tables[0, :common] if common else None, first)
+    alone = max_len if num_seqs == 1 and max_q == 1 else None
+    return _ShortQueries(num_seqs, max_q, rows, valid, rows[valid], own, num_blocks * bs, bias, in_order,
+                         tables[0, :common].long() if common else None, first, alone)
 
 
 def _short_query_attention(q, k_cache, v_cache, plan: _ShortQueries, scale, out) -> None:
-    """Decodes and short prefill chunks, all at once, padded to the longest.
+    """Decodes and short prefill chunks, all at once, padded to the longest, as batched matmuls.
 
     Chats that share a system prompt share its blocks. The keys every sequence has in common and
     that lie before all of their queries (a shared prefix of whole blocks) are read once for the
-    whole batch; only each sequence's own remainder is gathered per sequence. The two partial
-    attentions are merged through their log-sum-exps (flash-attention's rescaling).
+    whole batch; only each sequence's own remainder is gathered per sequence. The scores of both
+    parts meet in one softmax. Matmuls rather than torch's fused CPU attention: at these sizes
+    (a few query rows per head) its fixed cost per call is several times the arithmetic.
+    Scores are in the model's dtype and the softmax in fp32, as transformers' eager attention does.
     """
     kv_heads, heads, head_dim = k_cache.shape[2], q.shape[1], q.shape[2]
     rep, num_seqs, max_q = heads // kv_heads, plan.num_seqs, plan.max_q
-    # [num_seqs, kv_heads, max_q * rep, head_dim]: a K/V head's query heads are just more rows.
-    qs = (q if plan.in_order else q[plan.rows]).view(num_seqs, max_q, kv_heads, rep, head_dim).permute(0, 2, 1, 3, 4)
-    qs = qs.reshape(num_seqs, kv_heads, max_q * rep, head_dim)
-    k = _gather(k_cache, plan.own, plan.own_len).transpose(1, 2)  # [num_seqs, kv_heads, own_len, head_dim]
-    v = _gather(v_cache, plan.own, plan.own_len).transpose(1, 2)
-    result, lse = _attention_with_lse(qs, k, v, plan.bias, scale)
-
+    rows, first, own_len = max_q * rep, plan.first, plan.own_len
+    if plan.alone is not None:
+        # One decoding chat: torch's fused attention costs less than three matmuls and a softmax
+        # at one query row per head (the rows of a K/V head need no mask: they see every key).
+        k, v = _gather_kv(k_cache, v_cache, plan.own, plan.alone)
+        query = (q if plan.in_order else q[plan.out_rows]).view(1, kv_heads, rep, head_dim)
+        result = F.scaled_dot_product_attention(query, k[None], v[None], scale=scale)
+        out[plan.out_rows] = result.view(1, heads, head_dim)
+        return
+    # [kv_heads, num_seqs, max_q * rep, head_dim]: a K/V head's query heads are just more rows.
+    qs = torch.empty(kv_heads, num_seqs, max_q, rep, head_dim, dtype=q.dtype, device=q.device)
+    qs.copy_((q if plan.in_order else q[plan.rows]).view(num_seqs, max_q, kv_heads, rep, head_dim).permute(2, 0, 1, 3, 4))
+    qs = qs.view(kv_heads, num_seqs, rows, head_dim).mul_(scale)
+    k, v = _gather_kv(k_cache, v_cache, plan.own, num_seqs * own_len)
+    k = k.view(kv_heads * num_seqs, own_len, head_dim)
+    v = v.view(kv_heads * num_seqs, own_len, head_dim)
+    scores = torch.bmm(qs.view(kv_heads * num_seqs, rows, head_dim), k.transpose(1, 2))
+    scores = scores.view(kv_heads, num_seqs, rows, own_len)
+    if plan.bias is not None:
+        scores += plan.bias
     if plan.shared is not None:
-        kp = _gather(k_cache, plan.shared, plan.first).transpose(0, 1)[None]  # [1, kv_heads, first, head_dim]
-        vp = _gather(v_cache, plan.shared, plan.first).transpose(0, 1)[None]
-        qp = qs.transpose(0, 1).reshape(1, kv_heads, num_seqs * max_q * rep, head_dim)
-        shared_out, shared_lse = _attention_with_lse(qp, kp, vp, None, scale)
-        shared_out = shared_out.view(kv_heads, num_seqs, max_q * rep, head_dim).transpose(0, 1)
-        shared_lse = shared_lse.view(kv_heads, num_seqs, max_q * rep).transpose(0, 1)
-        total = torch.logaddexp(lse, shared_lse)
-        result = (result * (lse - total).exp()[..., None].to(result.dtype)
-                  + shared_out * (shared_lse - total).exp()[..., None].to(result.dtype))
-    result = result.view(num_seqs, kv_heads, max_q, rep, head_dim).permute(0, 2, 1, 3, 4)
+        kp, vp = _gather_kv(k_cache, v_cache, plan.shared, first)  # [kv_heads, first, head_dim]
+        shared_scores = torch.bmm(qs.view(kv_heads, num_seqs * rows, head_dim), kp.transpose(1, 2))
+        scores = torch.cat([shared_scores.view(kv_heads, num_seqs, rows, first), scores], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    result = torch.bmm(probs[..., first:].view(kv_heads * num_seqs, rows, own_len), v)
+    result = result.view(kv_heads, num_seqs, max_q, rep, head_dim)
+    if plan.shared is not None:
+        shared_out = torch.bmm(probs[..., :first].view(kv_heads, num_seqs * rows, first), vp)
+        result += shared_out.view(kv_heads, num_seqs, max_q, rep, head_dim)
+    result = result.permute(1, 2, 0, 3, 4)  # [num_seqs, max_q, kv_heads, rep, head_dim]
     if plan.in_order:
-        out.copy_(result.reshape(num_seqs, heads, head_dim))
+        out.view(num_seqs, 1, kv_heads, rep, head_dim).copy_(result)
     else:
         out[plan.out_rows] = result.reshape(num_seqs, max_q, heads, head_dim)[plan.valid]
-
-
-def _attention_with_lse(q, k, v, bias, scale):
-    """Softmax attention and each query row's log-sum-exp of its scores (fp32). q, k, v:
-    `[batch, heads, rows, head_dim]`, k and v may be strided views; bias: additive mask or None."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                          scale=scale)
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias
-    lse = scores.logsumexp(dim=-1)
-    return ((scores - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
 
 
 def _common_blocks(tables: torch.Tensor, limit: int) -> int:

@@ -14,12 +14,25 @@ def dense_attention(q, k, v, scale, causal):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double())
 
 
-def build(q_lens, k_lens, kv_heads, heads, head_dim, shared_blocks=0, block_size=16, seed=0, dtype=torch.float32):
-    """Random contexts in a paged cache; sequences share their first `shared_blocks` blocks."""
+LAYOUTS = ("head-major", "token-major", "separate")
+
+
+def build(q_lens, k_lens, kv_heads, heads, head_dim, shared_blocks=0, block_size=16, seed=0, dtype=torch.float32,
+          layout="head-major"):
+    """Random contexts in a paged cache; sequences share their first `shared_blocks` blocks.
+    `layout`: the engine's cache (one tensor, head-major blocks; the K and V caches are layer 1's
+    strided views), the same with token-major blocks, or K and V in tensors of their own."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 4 + shared_blocks + sum(-(-k // block_size) for k in k_lens)
-    cache = torch.randn(num_blocks, 2, 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]  # layer 1 of 2: strided views, as in the engine
+    if layout == "head-major":
+        cache = torch.randn(num_blocks, 2, 2, kv_heads, block_size, head_dim, generator=gen).to(dtype)
+        k_cache, v_cache = cache[:, 1, 0].transpose(1, 2), cache[:, 1, 1].transpose(1, 2)
+    elif layout == "token-major":
+        cache = torch.randn(num_blocks, 2, 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+        k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]
+    else:
+        k_cache, v_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+        k_cache, v_cache = k_cache.clone(), v_cache.clone()
     free = torch.randperm(num_blocks, generator=gen).tolist()
     shared = [free.pop() for _ in range(shared_blocks)]
     tables = []

@@ -84,7 +84,7 @@ def test_padding_rows_write_nothing_and_limits_are_checked(tiny_model_dir):
     assert logits.shape == (3, llm.engine.model.vocab_size) and torch.isfinite(logits).all()
     changed = (cache != before).flatten(1).any(1).nonzero().flatten().tolist()  # per block
     assert changed == [0, 1, 2]
-    written = (cache != before).reshape(cache.shape[0], cache.shape[1], 2, 16, -1).any(-1).any(2).any(1)
+    written = (cache != before).any(-1).any(3).any(2).any(1)  # [block, slot]: the cache is [b, layer, 2, head, slot, d]
     assert written.nonzero().tolist() == [[0, 5], [1, 5], [2, 8]]  # (block, slot in block): nothing else
     with pytest.raises(ValueError, match="does not fit"):
         graphs.run([1] * 257, [0] * 257, [-1] * 257, [1] * 257, [[0]] * 257)

@@ -4,14 +4,16 @@ import pytest
 import torch
 
 from kernels.reference import copy_blocks, paged_attention, store_kv, swap_blocks
-from paged_inputs import CASES, build, contiguous, dense_attention
+from paged_inputs import CASES, LAYOUTS, build, contiguous, dense_attention
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (6, 2, 64), (8, 1, 128)])
-def test_paged_attention_matches_dense(case, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_paged_attention_matches_dense(case, heads, kv_heads, head_dim, layout):
     q_lens, k_lens, shared = CASES[case]
-    q, k_cache, v_cache, cu, seqused, block_table, tables = build(q_lens, k_lens, kv_heads, heads, head_dim, shared)
+    q, k_cache, v_cache, cu, seqused, block_table, tables = build(q_lens, k_lens, kv_heads, heads, head_dim, shared,
+                                                                  layout=layout)
     scale = head_dim ** -0.5
     out = paged_attention(q, k_cache, v_cache, cu, seqused, block_table, scale)
     for i, (q_len, k_len) in enumerate(zip(q_lens, k_lens)):

@@ -2,7 +2,7 @@
 forward pass and samples.
 
 It owns the KV-cache tensors: the device pool and the host swap pool (pinned when the device is
-CUDA), each `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, so every block is
+CUDA), each `[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]`, so every block is
 one contiguous region across all layers and a swap moves one region per block.
 """
 from __future__ import annotations
@@ -87,7 +87,8 @@ class ModelRunner:
             block_table=block_table,
             plan=kernels.plan_attention(q_lens=[b - a for a, b in zip(cu_q, cu_q[1:])], k_lens=k_lens,
                                         num_heads=self.model.num_heads, kv_heads=self.model.num_kv_heads,
-                                        head_dim=self.model.head_dim, cache=self.kv_cache, block_table=block_table))
+                                        head_dim=self.model.head_dim, cache=self.kv_cache, block_table=block_table,
+                                        block_size=self.block_size))
         # Empty when every request is mid-prompt: the step only fills the cache.
         logits_indices = torch.tensor([cu_q[i + 1] - 1 for i in sample_rows], dtype=torch.int64, device=device)
         return self.model.forward(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),

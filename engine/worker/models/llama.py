@@ -112,7 +112,8 @@ class LlamaModel:
         return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * element
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (num_blocks, self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
+        """Head-major inside a block (see kernels/reference.py); `layer_kv` gives a layer's views."""
+        return (num_blocks, self.num_layers, 2, self.num_kv_heads, block_size, self.head_dim)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -133,7 +134,7 @@ class LlamaModel:
             qk = _rotate(qkv[:, :q_size + kv_size].view(-1, num_qk_heads, self.head_dim), cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
             v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-            k_cache, v_cache = kv_cache[:, index, 0], kv_cache[:, index, 1]
+            k_cache, v_cache = layer_kv(kv_cache, index)
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.slot_index)
             attn = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
                                            meta.block_table, self.scale, attention_plan=meta.plan)
@@ -143,6 +144,12 @@ class LlamaModel:
             hidden = hidden + layer.down(F.silu(gate).mul_(up))
         last = _rms_norm(hidden[logits_indices], self.norm, self.eps)
         return self.lm_head(last).float()
+
+
+def layer_kv(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V caches as the kernels take them, `[num_blocks, block_size, num_kv_heads,
+    head_dim]` views of the engine's cache (`LlamaModel.kv_cache_shape`)."""
+    return kv_cache[:, layer, 0].transpose(1, 2), kv_cache[:, layer, 1].transpose(1, 2)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
