@@ -20,6 +20,7 @@ from engine.core.stats import SchedulerStats
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import Delta, EngineInfo, Usage
 from engine.worker.decode_graphs import BUCKETS
+from engine.worker.host_allocator import keep_freed_memory
 from engine.worker.memory import num_device_blocks, num_host_blocks, resolve_device, resolve_dtype
 from engine.worker.model_loader import DEFAULT_MODEL_NAME, load_hf_model, model_dtype
 from engine.worker.model_runner import ModelRunner
@@ -43,6 +44,8 @@ class LLMEngine:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  preemption_mode: str = "auto", watermark: float = 0.01, cuda_graphs: bool | None = None) -> None:
         self.device = resolve_device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # before the weights: every step's activations then reuse one heap
         self.dtype = resolve_dtype(dtype, self.device, model_dtype(model) if dtype in (None, "auto") else None)
         hf_model, self.tokenizer = load_hf_model(model, self.dtype)
         self.model_name = model or os.environ.get("MODEL") or DEFAULT_MODEL_NAME
