@@ -40,6 +40,33 @@ def test_real_model_chat_reply_reads_right(smol_llm):
     assert "<|im_end|>" not in out.outputs[0].text
 
 
+def test_real_model_in_bf16_follows_the_fp32_model(smol_hf):
+    """bf16 (the default on CPUs that compute it) cannot equal fp32 token for token, but every
+    token it picks must be one the fp32 model ranks near the top: six chats sharing a system
+    prompt decode together (the shared-prefix attention path), then one chat alone."""
+    import torch
+
+    llm = LLM(dtype="bfloat16", num_gpu_blocks=256, num_cpu_blocks=0)
+    system = {"role": "system", "content": "You are a concise assistant for a bakery. Answer in one or two sentences, "
+                                           "politely, and mention our opening hours (8am to 6pm) when it helps."}
+    questions = ["Do you sell rye bread?", "When do you open?", "Can I order a birthday cake?", "Is there parking?",
+                 "Do you have gluten-free options?", "What is your best pastry?"]
+    prompts = [llm.engine.encode(llm.engine.apply_chat_template([system, {"role": "user", "content": q}]))
+               for q in questions]
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    outputs.append(llm.generate(prompts[:1], params)[0].outputs[0].token_ids)
+    top1 = total = 0
+    for ids, out in zip(prompts + prompts[:1], outputs):
+        with torch.no_grad():
+            logits = smol_hf(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1]
+        ranks = (logits > logits.gather(1, torch.tensor(out)[:, None])).sum(1)
+        assert int(ranks.max()) < 5, f"a token the fp32 model ranks {int(ranks.max()) + 1}th"
+        top1 += int((ranks == 0).sum())
+        total += len(out)
+    assert top1 >= 0.9 * total
+
+
 def test_tiny_model_greedy_equals_transformers_one_prompt_at_a_time(tiny_model_dir, tiny_hf, tokenizer):
     llm = LLM(tiny_model_dir, num_gpu_blocks=128)
     for ids in prompts_of(tokenizer, TEXTS):
