@@ -66,6 +66,18 @@ def test_greedy_is_argmax_and_ties_go_to_the_lowest_index():
     assert out[3] == [7]
 
 
+@pytest.mark.parametrize("vocab", [49152, 32000, 1000, 50])
+def test_the_chunked_argmax_is_torchs_on_ties_and_nan(vocab):
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[1, [3, vocab - 2]] = 50.0                       # a tie: the first
+    logits[2, :] = 1.0                                     # all tied: index 0
+    logits[3, [vocab // 2, vocab - 1]] = float("nan")      # NaN wins, the first one
+    logits[4, vocab - 1] = float("inf")
+    logits[5, 0] = float("-inf")
+    assert torch.equal(sampler.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(sampler.argmax(logits[:, :-1]), logits[:, :-1].argmax(dim=-1))  # not contiguous
+
+
 def test_top_k_1_is_greedy():
     logits = random_logits(32, 500)
     out = sample(logits, [row(seed=i, temperature=1.5, top_k=1, num_samples=3) for i in range(32)])

@@ -11,6 +11,7 @@ is in the batch, in whatever order.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -61,13 +62,28 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[int]]:
         greedy_rows = [rows[i] for i in greedy]
         penalized = _take(logits, greedy, copy=any(_penalizes(row) for row in greedy_rows))
         _apply_repetition_penalty_(penalized, greedy_rows)
-        for i, token in zip(greedy, penalized.argmax(dim=-1).tolist()):
+        for i, token in zip(greedy, argmax(penalized).tolist()):
             results[i] = [token] * rows[i].num_samples
     random = [i for i, row in enumerate(rows) if not row.params.greedy]
     if random:
         for i, tokens in zip(random, _sample_random(_take(logits, random), [rows[i] for i in random])):
             results[i] = tokens
     return results
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` of a `[rows, vocab]` tensor, the same index on ties (the first)
+    and NaN (the first NaN). In two passes on a CPU: torch's arg-reduction over a 49k vocabulary is
+    not vectorised (~0.5 ms for 32 rows on a 2-core EPYC, over 1% of a decode step), its
+    max-reduction is; the largest value of each chunk of up to 1,024 first, then the winning
+    chunk's argmax (~0.08 ms)."""
+    rows, vocab = logits.shape
+    chunk = math.gcd(vocab, 1024)
+    if logits.device.type != "cpu" or chunk < 128 or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    chunks = logits.view(rows, vocab // chunk, chunk)
+    best = chunks.amax(dim=-1).argmax(dim=-1)  # the first chunk holding the row's maximum
+    return best * chunk + chunks[torch.arange(rows), best].argmax(dim=-1)
 
 
 def _adjusts(row: SamplingRow) -> bool:
