@@ -204,7 +204,8 @@ def _short_query_attention(q, k_cache, v_cache, plan: _ShortQueries, scale, out)
     whole batch; only each sequence's own remainder is gathered per sequence. The scores of both
     parts meet in one softmax. Matmuls rather than torch's fused CPU attention: at these sizes
     (a few query rows per head) its fixed cost per call is several times the arithmetic.
-    Scores are in the model's dtype and the softmax in fp32, as transformers' eager attention does.
+    Scores are in the model's dtype and the softmax computes in fp32, as transformers' eager
+    attention does.
     """
     kv_heads, heads, head_dim = k_cache.shape[2], q.shape[1], q.shape[2]
     rep, num_seqs, max_q = heads // kv_heads, plan.num_seqs, plan.max_q
@@ -232,7 +233,7 @@ def _short_query_attention(q, k_cache, v_cache, plan: _ShortQueries, scale, out)
         kp, vp = _gather_kv(k_cache, v_cache, plan.shared, first)  # [kv_heads, first, head_dim]
         shared_scores = torch.bmm(qs.view(kv_heads, num_seqs * rows, head_dim), kp.transpose(1, 2))
         scores = torch.cat([shared_scores.view(kv_heads, num_seqs, rows, first), scores], dim=-1)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1)  # in fp32 inside, rounded once to the model's dtype
     result = torch.bmm(probs[..., first:].view(kv_heads * num_seqs, rows, own_len), v)
     result = result.view(kv_heads, num_seqs, max_q, rep, head_dim)
     if plan.shared is not None:
