@@ -220,8 +220,9 @@ def _short_query_attention(q, k_cache, v_cache, plan: _ShortQueries, scale, out)
         return
     # [kv_heads, num_seqs, max_q * rep, head_dim]: a K/V head's query heads are just more rows.
     qs = torch.empty(kv_heads, num_seqs, max_q, rep, head_dim, dtype=q.dtype, device=q.device)
-    qs.copy_((q if plan.in_order else q[plan.rows]).view(num_seqs, max_q, kv_heads, rep, head_dim).permute(2, 0, 1, 3, 4))
-    qs = qs.view(kv_heads, num_seqs, rows, head_dim).mul_(scale)
+    torch.mul((q if plan.in_order else q[plan.rows]).view(num_seqs, max_q, kv_heads, rep, head_dim).permute(2, 0, 1, 3, 4),
+              scale, out=qs)  # rearranged and scaled in one pass
+    qs = qs.view(kv_heads, num_seqs, rows, head_dim)
     k, v = _gather_kv(k_cache, v_cache, plan.own, num_seqs * own_len)
     k = k.view(kv_heads * num_seqs, own_len, head_dim)
     v = v.view(kv_heads * num_seqs, own_len, head_dim)
