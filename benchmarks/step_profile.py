@@ -46,7 +46,7 @@ def main() -> None:
 
     import kernels
     from engine import LLM, SamplingParams
-    from engine.worker.models import linear, llama
+    from engine.worker.models import linear, llama, rms_norm
     from ui.panel.load_generator import LOAD_SYSTEM_PROMPT, QUESTIONS
 
     llm = LLM(args.model, dtype=args.dtype, num_gpu_blocks=1024, num_cpu_blocks=16)
@@ -59,8 +59,8 @@ def main() -> None:
     engine.runner._sample = timed(totals, "sampling", engine.runner._sample)
     kernels.paged_attention = timed(totals, "attention", kernels.paged_attention)
     kernels.store_kv = timed(totals, "store K/V", kernels.store_kv)
-    llama._rms_norm = timed(totals, "RMSNorm", llama._rms_norm)
-    llama._rotate = timed(totals, "rotary", llama._rotate)
+    rms_norm.RMSNorm.__call__ = timed(totals, "RMSNorm", rms_norm.RMSNorm.__call__)
+    llama._rotate_ = timed(totals, "rotary", llama._rotate_)
     linear.Linear.__call__ = timed(totals, "weight matmuls", linear.Linear.__call__)
 
     chats = [[{"role": "system", "content": LOAD_SYSTEM_PROMPT[:1200]},

@@ -28,8 +28,27 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
         slot_index = (slot_mapping // block_size, slot_mapping % block_size)
     blocks, offsets = slot_index
-    k_cache[blocks, offsets] = key
-    v_cache[blocks, offsets] = value
+    both_caches, both_new = paired(k_cache, v_cache, 2), paired(key, value, 1)
+    if both_caches is not None and both_new is not None:  # the engine's layout: one write for K and V
+        both_caches[blocks, offsets] = both_new
+    else:
+        k_cache[blocks, offsets] = key
+        v_cache[blocks, offsets] = value
+
+
+def paired(first: torch.Tensor, second: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """`first` and `second` as one view with a new dimension of size 2 at `dim`, when they can be:
+    the same shape and strides in one storage, `second` a fixed distance after `first` (a layer's
+    K and V caches in the engine's cache tensor; a step's new k and v in the qkv projection's
+    output). None otherwise."""
+    offset = second.storage_offset() - first.storage_offset()
+    if (offset <= 0 or first.shape != second.shape or first.stride() != second.stride()
+            or first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()):
+        return None
+    shape, strides = list(first.shape), list(first.stride())
+    shape.insert(dim, 2)
+    strides.insert(dim, offset)
+    return first.as_strided(shape, strides, first.storage_offset())
 
 
 def slot_index(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,10 +130,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     into `out` when given). `attention_plan`: the step's `plan(...)`, shared by its layers
     (made here when not given).
     """
-    out = torch.empty_like(q) if out is None else out
     if attention_plan is None:
         attention_plan = plan(cu_seqlens_q.tolist(), seqused_k.tolist(), block_table, k_cache.shape[1], q.shape[1],
                               k_cache.shape[2], q.dtype, causal)
+    if out is None and attention_plan.short is not None and attention_plan.short.in_order:
+        # A batch of decodes only: the result is the output, with no buffer to copy it into.
+        return _short_query_attention(q, k_cache, v_cache, attention_plan.short, softmax_scale, None)
+    out = torch.empty_like(q) if out is None else out
     if attention_plan.short is not None:
         _short_query_attention(q, k_cache, v_cache, attention_plan.short, softmax_scale, out)
     for item in attention_plan.long:
@@ -127,16 +149,13 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tenso
     """K and V of the first `length` tokens held by `blocks` `[n]`, per head: each
     `[num_kv_heads, length, head_dim]` (with `blocks` `[seqs * n]`: `[num_kv_heads, seqs * n * block_size,
     head_dim]`, every sequence's keys in a row), the layout a batched matmul reads without a copy."""
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    offset = v_cache.storage_offset() - k_cache.storage_offset()
-    if (k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr()
-            and k_cache.stride() == v_cache.stride() and offset > 0):
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    both = paired(k_cache, v_cache, 0)  # [2, num_blocks, block_size, kv_heads, head_dim]
+    if both is not None:
         # One layer's K and V sit a fixed distance apart in one cache tensor: one gather reads
         # both, with heads outermost. index_select copies a block's run for one head at a time,
         # whole when the cache is head-major inside a block (`[..., kv_heads, block_size, head_dim]`).
-        both = k_cache.as_strided((2, kv_heads, num_blocks, block_size, head_dim),
-                                  (offset, k_cache.stride(2), k_cache.stride(0), k_cache.stride(1), 1))
-        k, v = both.index_select(2, blocks).view(2, kv_heads, -1, head_dim)
+        k, v = both.permute(0, 3, 1, 2, 4).index_select(2, blocks).view(2, kv_heads, -1, head_dim)
     else:
         k = k_cache.permute(2, 0, 1, 3).index_select(1, blocks).view(kv_heads, -1, head_dim)
         v = v_cache.permute(2, 0, 1, 3).index_select(1, blocks).view(kv_heads, -1, head_dim)
@@ -196,8 +215,9 @@ def _plan_short(starts, q_lens, k_lens, block_table, bs, rep, dtype, causal, seq
                          tables[0, :common].long() if common else None, first, alone)
 
 
-def _short_query_attention(q, k_cache, v_cache, plan: _ShortQueries, scale, out) -> None:
-    """Decodes and short prefill chunks, all at once, padded to the longest, as batched matmuls.
+def _short_query_attention(q, k_cache, v_cache, plan: _ShortQueries, scale, out) -> torch.Tensor:
+    """Decodes and short prefill chunks, all at once, padded to the longest, as batched matmuls,
+    written into `out` (which may be None when `plan.in_order`: then returned as a new tensor).
 
     Chats that share a system prompt share its blocks. The keys every sequence has in common and
     that lie before all of their queries (a shared prefix of whole blocks) are read once for the
@@ -215,9 +235,11 @@ def _short_query_attention(q, k_cache, v_cache, plan: _ShortQueries, scale, out)
         # at one query row per head (the rows of a K/V head need no mask: they see every key).
         k, v = _gather_kv(k_cache, v_cache, plan.own, plan.alone)
         query = (q if plan.in_order else q[plan.out_rows]).view(1, kv_heads, rep, head_dim)
-        result = F.scaled_dot_product_attention(query, k[None], v[None], scale=scale)
-        out[plan.out_rows] = result.view(1, heads, head_dim)
-        return
+        result = F.scaled_dot_product_attention(query, k[None], v[None], scale=scale).view(1, heads, head_dim)
+        if out is None:
+            return result
+        out[plan.out_rows] = result
+        return out
     # [kv_heads, num_seqs, max_q * rep, head_dim]: a K/V head's query heads are just more rows.
     qs = torch.empty(kv_heads, num_seqs, max_q, rep, head_dim, dtype=q.dtype, device=q.device)
     torch.mul((q if plan.in_order else q[plan.rows]).view(num_seqs, max_q, kv_heads, rep, head_dim).permute(2, 0, 1, 3, 4),
@@ -241,10 +263,13 @@ def _short_query_attention(q, k_cache, v_cache, plan: _ShortQueries, scale, out)
         shared_out = torch.bmm(probs[..., :first].view(kv_heads, num_seqs * rows, first), vp)
         result += shared_out.view(kv_heads, num_seqs, max_q, rep, head_dim)
     result = result.permute(1, 2, 0, 3, 4)  # [num_seqs, max_q, kv_heads, rep, head_dim]
+    if out is None:  # in order, one query each: the rows are the output's
+        return result.reshape(num_seqs, heads, head_dim)
     if plan.in_order:
         out.view(num_seqs, 1, kv_heads, rep, head_dim).copy_(result)
     else:
         out[plan.out_rows] = result.reshape(num_seqs, max_q, heads, head_dim)[plan.valid]
+    return out
 
 
 def _common_blocks(tables: torch.Tensor, limit: int) -> int:

@@ -42,6 +42,32 @@ def test_store_kv_writes_slots_and_skips_padding():
     assert int((cache != 0).sum()) == 2 * 2 * 2 * 8  # two slots, K and V, nothing else (layer 1 untouched)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_store_kv_from_the_qkv_projection_writes_k_and_v(layout):
+    """The engine's new k and v are neighbouring column ranges of one qkv output; in its cache
+    layout both land in one write (`paired`), elsewhere in two: the same slots either way."""
+    _, k_cache, v_cache, *_ = build([1], [1], kv_heads=2, heads=4, head_dim=8, layout=layout)
+    qkv = torch.randn(3, (4 + 2 + 2) * 8)
+    key, value = qkv[:, 32:48].view(3, 2, 8), qkv[:, 48:].view(3, 2, 8)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    store_kv(key, value, k_cache, v_cache, torch.tensor([0, 17, 31]))
+    for slot, row in zip([0, 17, 31], range(3)):
+        block, offset = divmod(slot, 16)
+        assert torch.equal(k_cache[block, offset], key[row]) and torch.equal(v_cache[block, offset], value[row])
+        k_before[block, offset], v_before[block, offset] = key[row], value[row]
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)  # nothing else written
+
+
+def test_paired_views_only_tensors_a_fixed_distance_apart():
+    from kernels.reference import paired
+    qkv = torch.randn(3, 40)
+    both = paired(qkv[:, 8:16], qkv[:, 16:24], 1)
+    assert both.shape == (3, 2, 8) and torch.equal(both[:, 1], qkv[:, 16:24])
+    assert paired(qkv[:, 16:24], qkv[:, 8:16], 1) is None          # second before first
+    assert paired(qkv[:, 8:16], qkv[:, 16:20], 1) is None          # shapes differ
+    assert paired(qkv[:, 8:16], torch.randn(3, 8), 1) is None      # another tensor
+
+
 def test_block_copies_and_swaps_move_whole_blocks_across_layers():
     device = torch.randn(6, 3, 2, 4, 2, 8)
     host = torch.zeros(4, 3, 2, 4, 2, 8)

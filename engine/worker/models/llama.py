@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import kernels
 from engine.worker.models.linear import Linear, settle_few_row_path
+from engine.worker.models.rms_norm import RMSNorm
 
 
 @dataclass
@@ -30,10 +31,10 @@ class AttentionMetadata:
 
 @dataclass
 class LlamaLayer:
-    input_norm: torch.Tensor
+    input_norm: RMSNorm
     qkv: Linear
     o_proj: Linear
-    post_norm: torch.Tensor
+    post_norm: RMSNorm
     gate_up: Linear
     down: Linear
 
@@ -56,7 +57,7 @@ class LlamaModel:
 
         inner = hf_model.model
         self.embed = take(inner.embed_tokens.weight)
-        self.norm = take(inner.norm.weight)
+        self.norm = RMSNorm(take(inner.norm.weight), self.eps)
         lm_head = hf_model.get_output_embeddings().weight
         self.tied = lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr()
         self.lm_head = Linear(self.embed if self.tied else take(lm_head))
@@ -65,11 +66,11 @@ class LlamaModel:
             attn, mlp = layer.self_attn, layer.mlp
             biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
             self.layers.append(LlamaLayer(
-                input_norm=take(layer.input_layernorm.weight),
+                input_norm=RMSNorm(take(layer.input_layernorm.weight), self.eps),
                 qkv=Linear(take(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
                            take(torch.cat(biases)) if biases[0] is not None else None),
                 o_proj=Linear(take(attn.o_proj.weight)),
-                post_norm=take(layer.post_attention_layernorm.weight),
+                post_norm=RMSNorm(take(layer.post_attention_layernorm.weight), self.eps),
                 gate_up=Linear(take(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))),
                 down=Linear(take(mlp.down_proj.weight))))
         # Which weight layout one decoding chat streams fastest depends on the CPU: timed here, once.
@@ -80,6 +81,7 @@ class LlamaModel:
         self._inv_freq = rotary.inv_freq.detach().float().to(device)
         self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self._cos_sin = self._rope_table(getattr(config, "max_position_embeddings", 4096))
+        self._kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     def _rope_table(self, length: int) -> torch.Tensor:
         """cos and sin for positions 0..length-1, `[length, 2, head_dim]`, as transformers
@@ -127,23 +129,30 @@ class LlamaModel:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         num_qk_heads = self.num_heads + self.num_kv_heads
-        for index, layer in enumerate(self.layers):
-            x = _rms_norm(hidden, layer.input_norm, self.eps)
+        for layer, (k_cache, v_cache) in zip(self.layers, self._layer_views(kv_cache)):
+            x = layer.input_norm(hidden)
             qkv = layer.qkv(x)
-            # q and k rotate together: one set of small ops per layer instead of two.
-            qk = _rotate(qkv[:, :q_size + kv_size].view(-1, num_qk_heads, self.head_dim), cos, sin)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            # q and k rotate together and in place: one set of small ops per layer instead of
+            # two, and k stays next to v, so the cache store writes both at once.
+            _rotate_(qkv[:, :q_size + kv_size].view(-1, num_qk_heads, self.head_dim), cos, sin)
+            q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
             v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-            k_cache, v_cache = layer_kv(kv_cache, index)
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.slot_index)
             attn = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
                                            meta.block_table, self.scale, attention_plan=meta.plan)
             hidden = hidden + layer.o_proj(attn.reshape(-1, q_size))
-            x = _rms_norm(hidden, layer.post_norm, self.eps)
+            x = layer.post_norm(hidden)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             hidden = hidden + layer.down(F.silu(gate).mul_(up))
-        last = _rms_norm(hidden[logits_indices], self.norm, self.eps)
+        last = self.norm(hidden[logits_indices])
         return self.lm_head(last).float()
+
+    def _layer_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (K, V) views of the cache, made once per cache rather than every step."""
+        if self._kv_views is None or self._kv_views[0] is not kv_cache:
+            self._kv_views = (kv_cache, [layer_kv(kv_cache, i) for i in range(self.num_layers)])
+        return self._kv_views[1]
 
 
 def layer_kv(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,14 +161,8 @@ def layer_kv(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Te
     return kv_cache[:, layer, 0].transpose(1, 2), kv_cache[:, layer, 1].transpose(1, 2)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    # transformers normalises in fp32 and casts back before the weight.
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary embedding, rotate-half style, written over `x` (same arithmetic as transformers)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    torch.add(x * cos, rotated * sin, out=x)
