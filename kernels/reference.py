@@ -41,9 +41,13 @@ def paired(first: torch.Tensor, second: torch.Tensor, dim: int) -> torch.Tensor 
     the same shape and strides in one storage, `second` a fixed distance after `first` (a layer's
     K and V caches in the engine's cache tensor; a step's new k and v in the qkv projection's
     output). None otherwise."""
+    # Views of one base tensor share its storage (asking the storages themselves costs more than
+    # the rest of this check, three times a layer).
+    base = first._base
+    if base is None or base is not second._base:
+        return None
     offset = second.storage_offset() - first.storage_offset()
-    if (offset <= 0 or first.shape != second.shape or first.stride() != second.stride()
-            or first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()):
+    if offset <= 0 or first.shape != second.shape or first.stride() != second.stride():
         return None
     shape, strides = list(first.shape), list(first.stride())
     shape.insert(dim, 2)
