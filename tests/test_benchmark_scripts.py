@@ -76,8 +76,10 @@ def test_peer_comparison_script_runs_the_engine_and_reports_peers_not_set_up(tmp
     """`make bench-peers`'s script on the embedded model, pointed at an empty build folder: the
     engine's figures, and vLLM and llama.cpp reported missing with what to run, not a crash."""
     figures = last_json_line(["benchmarks/peers/compare.py", "--dtypes", "float32", "--output-tokens", "2",
-                              "--build", str(tmp_path)])
+                              "--rounds", "2", "--build", str(tmp_path)])
     row = figures["float32"]
     assert row["engine_tok_s"] > 0 and row["engine_single_tok_s"] > 0 and row["engine_startup_s"] > 0
+    runs = row["engine_tok_s_rounds"]  # two rounds, their median reported
+    assert len(runs) == 2 and row["engine_tok_s"] == round((runs[0] + runs[1]) / 2, 2) and figures["rounds"] == 2
     assert 0 < row["engine_single_bound_share"] and figures["read_gb_s"] > 0
     assert "vllm_cpu.sh setup" in row["missing"]["vllm"] and "llama_cpp.sh" in row["missing"]["llamacpp"]

