@@ -6,7 +6,11 @@ ignored, on the embedded SmolLM2-135M-Instruct by default. Each part is timed by
 matmul (`Linear.__call__`), `kernels.paged_attention`, `kernels.store_kv`, RMSNorm, rotary, and
 sampling. Parts nest (the forward holds the matmuls), so they do not add up to the step.
 
-    .venv/bin/python benchmarks/step_profile.py [--dtype float32|bfloat16] [--tokens 128] [--chats 1]
+    .venv/bin/python benchmarks/step_profile.py [--dtype float32|bfloat16] [--tokens 128] [--chats 1] [--ops 25]
+
+`--ops N` then runs the same chats once more under torch.profiler over ten decode steps in the
+middle of the reply, and prints the N ops with the most self time per step, by input shape: which
+matmul, gather or small op a change should go after.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--chats", type=int, default=1)
+    parser.add_argument("--ops", type=int, default=0, help="print the top N aten ops of ten profiled steps")
     args = parser.parse_args()
 
     import kernels
@@ -77,9 +82,45 @@ def main() -> None:
     print(f"{'part':<16} {'ms per step':>12}")
     for key, seconds in sorted(totals.items(), key=lambda item: -item[1]):
         print(f"{key:<16} {1000 * seconds / steps:>12.2f}")
-    print(json.dumps({"cpu": cpu_model(), "dtype": args.dtype, "chats": args.chats, "tokens": args.tokens,
-                      "tok_s": round(args.chats * args.tokens / elapsed, 2),
-                      "ms_per_step": {key: round(1000 * value / steps, 2) for key, value in totals.items()}}))
+    summary = {"cpu": cpu_model(), "dtype": args.dtype, "chats": args.chats, "tokens": args.tokens,
+               "tok_s": round(args.chats * args.tokens / elapsed, 2),
+               "ms_per_step": {key: round(1000 * value / steps, 2) for key, value in totals.items()}}
+    if args.ops:
+        print_top_ops(llm, chats, args.tokens, args.ops)
+    print(json.dumps(summary))
+
+
+def print_top_ops(llm, chats, tokens: int, top: int, steps: int = 10) -> None:
+    """Ten decode steps from the middle of a reply under torch.profiler: self CPU time per step
+    of the `top` costliest ops, by input shape."""
+    import torch
+    from engine import SamplingParams
+
+    engine, count = llm.engine, [0]
+    first = max(2, tokens // 2 - steps // 2)
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+    step = engine.step
+
+    def profiled_step():
+        count[0] += 1
+        if count[0] == first:
+            profiler.start()
+        try:
+            return step()
+        finally:
+            if count[0] == first + steps - 1:
+                profiler.stop()
+
+    engine.step = profiled_step
+    try:
+        llm.chat(chats, SamplingParams(temperature=0, max_tokens=max(tokens, first + steps), ignore_eos=True))
+    finally:
+        engine.step = step
+    rows = sorted(profiler.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)[:top]
+    print(f"\n{'op':<34} {'us per step':>11} {'calls':>6}  input shapes")
+    for event in rows:
+        print(f"{event.key[:34]:<34} {event.self_cpu_time_total / steps:>11.0f} {event.count // steps:>6}  "
+              f"{str(event.input_shapes)[:90]}")
 
 
 if __name__ == "__main__":

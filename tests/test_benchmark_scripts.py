@@ -15,9 +15,15 @@ def last_json_line(args):
 
 
 def test_step_profile_script(tiny_model_dir):
-    figures = last_json_line(["benchmarks/step_profile.py", "--model", tiny_model_dir, "--tokens", "4"])
+    done = subprocess.run([sys.executable, "benchmarks/step_profile.py", "--model", tiny_model_dir, "--tokens", "4",
+                           "--ops", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    figures = json.loads(lines[-1])
     parts = figures["ms_per_step"]
     assert figures["tok_s"] > 0 and parts["step"] >= parts["forward"] >= parts["weight matmuls"] > 0
+    table = lines[lines.index(next(line for line in lines if line.startswith("op "))) + 1:-1]
+    assert len(table) == 3 and all("::" in line.split()[0] and float(line.split()[1]) >= 0 for line in table)
 
 
 def test_scheduler_overhead_script():
