@@ -46,6 +46,23 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="session")
+def deep_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model 48 layers deep, for tests where one request must hold the only sequence
+    slot while another queues behind it: with 2 layers a 900-token request ran out in ~0.8 s on
+    a 2-core CPU (less as the engine got faster), racing a turn's trip through HTTP and
+    Gradio's queue; with 48 it lasts several seconds."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_pretrained(tiny_model_dir)
+    config.num_hidden_layers = 48
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("deep-tiny-llama")
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
 def tiny_hf(tiny_model_dir):
     from engine.worker.model_loader import load_hf_model
     return load_hf_model(tiny_model_dir)[0]

@@ -20,9 +20,9 @@ LONG_STORY = "Write a very long story about a lighthouse."
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, tmp_path_factory):
+def served(deep_model_dir, tmp_path_factory):
     """One sequence at a time, so a second request waits for its first token as long as we like."""
-    with served_chat(tiny_model_dir, tmp_path_factory.mktemp("disconnect") / "chat.db",
+    with served_chat(deep_model_dir, tmp_path_factory.mktemp("disconnect") / "chat.db",
                      num_gpu_blocks=96, num_cpu_blocks=32, max_num_seqs=1) as served_app:
         yield served_app
 

@@ -129,8 +129,8 @@ def test_submit_on_a_closed_client_raises_a_named_error(tiny_model_dir):
         closed.submit("hi", PARAMS)
 
 
-def test_a_full_waiting_queue_refuses_at_once_and_takes_work_again_once_it_drains(tiny_model_dir):
-    busy = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=64, num_cpu_blocks=0, max_num_seqs=1),
+def test_a_full_waiting_queue_refuses_at_once_and_takes_work_again_once_it_drains(deep_model_dir):
+    busy = EngineClient(LLMEngine(deep_model_dir, num_gpu_blocks=64, num_cpu_blocks=0, max_num_seqs=1),
                         max_waiting=2)
     try:
         params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

@@ -285,8 +285,8 @@ def test_an_api_key_is_required_when_set(engine_client):
         assert httpx.get(f"{base}/health").status_code == 200  # health and metrics stay open, as on vLLM
 
 
-def test_a_full_queue_and_a_dead_engine_are_503_with_retry_after(tiny_model_dir):
-    busy = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=64, max_num_seqs=1), max_waiting=1)
+def test_a_full_queue_and_a_dead_engine_are_503_with_retry_after(deep_model_dir):
+    busy = EngineClient(LLMEngine(deep_model_dir, num_gpu_blocks=64, max_num_seqs=1), max_waiting=1)
     with running(busy) as base:
         long = dict(prompt="Keep going.", max_tokens=900, ignore_eos=True, temperature=0.0, stream=True)
         with httpx.stream("POST", f"{base}/v1/completions", json=long) as running_one, \
