@@ -26,6 +26,56 @@ def test_step_profile_script(tiny_model_dir):
     assert len(table) == 3 and all("::" in line.split()[0] and float(line.split()[1]) >= 0 for line in table)
 
 
+VARIANT_FILE = """
+import kernels
+from engine.worker.models import llama
+
+def VARIANTS(model, inputs):
+    input_ids, positions, kv_cache, meta, logits_indices = inputs
+    assert input_ids.shape[0] == 2 and meta.plan is not None  # a decode step of both chats
+
+    def same():
+        original = kernels.paged_attention
+        kernels.paged_attention = lambda *args, **kwargs: original(*args, **kwargs)
+        def undo():
+            kernels.paged_attention = original
+        return undo
+
+    def no_attention():
+        original = kernels.paged_attention
+        kernels.paged_attention = lambda q, *args, **kwargs: q.clone()
+        def undo():
+            kernels.paged_attention = original
+        return undo
+
+    return {"same": same, "no attention": no_attention}
+"""
+
+
+def test_forward_ab_script(tiny_model_dir, tmp_path):
+    variant = tmp_path / "variant.py"
+    variant.write_text(VARIANT_FILE)
+    figures = last_json_line(["benchmarks/forward_ab.py", "--model", tiny_model_dir, "--chats", "2", "--tokens", "8",
+                              "--step", "5", "--rounds", "2", "--repeat", "1", "--variant", str(variant)])
+    sides = figures["sides"]
+    assert figures["base_unchanged"]  # the variants' undos ran
+    assert list(sides) == ["base", "same", "no attention"]
+    assert sides["base"]["vs_base"] == 1.0 and sides["base"]["max_abs_diff"] == 0.0
+    assert sides["same"]["max_abs_diff"] == 0.0 and sides["same"]["same_greedy"]
+    # Without attention the logits change: the check sees it.
+    assert sides["no attention"]["max_abs_diff"] > 0
+    assert all(len(side["ms"]) == 2 and min(side["ms"]) > 0 for side in sides.values())
+
+
+def test_forward_ab_script_refuses_a_file_without_variants(tiny_model_dir, tmp_path):
+    variant = tmp_path / "empty.py"
+    variant.write_text("def VARIANTS(model, inputs):\n    return {}\n")
+    done = subprocess.run([sys.executable, "benchmarks/forward_ab.py", "--model", tiny_model_dir, "--tokens", "8",
+                           "--step", "5", "--variant", str(variant)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0 and "must return a non-empty dict" in done.stderr
+
+
 def test_scheduler_overhead_script():
     figures = last_json_line(["benchmarks/scheduler_overhead.py", "--steps", "5", "--requests", "8"])
     assert figures["ms_per_step"] > 0 and figures["requests"] == 8
