@@ -42,18 +42,21 @@ def slot_index(slot_mapping: torch.Tensor, block_size: int, cache: torch.Tensor)
 
 def plan_attention(q_lens: list[int], k_lens: list[int], num_heads: int, kv_heads: int, head_dim: int,
                    cache: torch.Tensor, num_splits: int | None = None, block_table: torch.Tensor | None = None,
-                   block_size: int | None = None):
+                   block_size: int | None = None, previous=None):
     """The step's attention plan, shared by every layer, built on the host from the lengths
     instead of in every layer: the Triton path's tiling (`num_splits` fixes flash-decoding's
     split count; None: from the shape), or the torch path's rows, gathers and masks (which need
-    the step's `block_table` and `block_size`; without them, None and each call plans for itself)."""
+    the step's `block_table` and `block_size`; without them, None and each call plans for itself).
+    `previous`: the last step's plan, unless blocks were swapped or copied since (the torch path
+    lets a lone decoding sequence keep its gathered K/V from it)."""
     if backend(cache) != "triton":
         if block_table is None or block_size is None:
             return None
         cu_q = [0]
         for n in q_lens:
             cu_q.append(cu_q[-1] + n)
-        return reference.plan(cu_q, k_lens, block_table, block_size, num_heads, kv_heads, cache.dtype)
+        return reference.plan(cu_q, k_lens, block_table, block_size, num_heads, kv_heads, cache.dtype,
+                              previous=previous if isinstance(previous, reference.AttentionPlan) else None)
     from kernels import triton_attention
     return triton_attention.plan(q_lens, max(k_lens, default=0), num_heads, kv_heads, head_dim, cache.device,
                                  num_splits)

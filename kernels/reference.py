@@ -90,6 +90,57 @@ class _ShortQueries:
     shared: torch.Tensor | None  # the blocks every sequence shares, read once for all
     first: int               # keys in the shared blocks
     alone: int | None = None  # one decoding sequence alone: its number of keys
+    lone: LoneDecode | None = None  # ... and its K/V, kept from step to step (None: gathered)
+
+
+# A lone chat's K/V is kept for contexts up to this many tokens (30 layers x 4,096 tokens of
+# SmolLM2 are ~190 MB in fp32), in buffers that grow by KEPT_STEP tokens.
+MAX_KEPT = 4096
+KEPT_STEP = 256
+
+
+class LoneDecode:
+    """One sequence decoding alone, step after step: each layer's K/V gathered into a buffer once,
+    then extended by the step's new token, instead of gathered whole every step. On a 2-core EPYC
+    a ~300-token context's gather is ~30 µs a layer of a ~10-ms one-chat step, the copy of one
+    token ~3 µs: one chat decodes ~4% faster in bf16 and 1-4% in fp32.
+
+    A step continues the previous step's buffers only when that step also decoded one sequence
+    alone, with the same blocks (maybe one more) and one token fewer: a running sequence's past
+    K/V never changes in place. The caller passes no previous plan when blocks were swapped or
+    copied in between."""
+
+    def __init__(self, blocks: list[int], length: int, block_size: int) -> None:
+        self.blocks, self.length, self.block_size = blocks, length, block_size
+        # per layer (its K cache's address): (buffer [2, kv_heads, capacity, head_dim], tokens in it)
+        self.layers: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def continue_from(self, previous: LoneDecode | None) -> None:
+        if (previous is not None and previous.length + 1 == self.length
+                and self.blocks[:len(previous.blocks)] == previous.blocks):
+            self.layers = previous.layers
+
+    def keys_values(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K and V of the whole context, `[num_kv_heads, length, head_dim]` each."""
+        key, n = k_cache.data_ptr(), self.length
+        buffer, filled = self.layers.get(key, (None, 0))
+        if buffer is not None and filled == n - 1 and buffer.shape[2] >= n:
+            block, offset = self.blocks[(n - 1) // self.block_size], (n - 1) % self.block_size
+            both = paired(k_cache, v_cache, 0)
+            if both is not None:
+                buffer[:, :, n - 1].copy_(both[:, block, offset])
+            else:
+                buffer[0, :, n - 1].copy_(k_cache[block, offset])
+                buffer[1, :, n - 1].copy_(v_cache[block, offset])
+        else:
+            k, v = _gather_kv(k_cache, v_cache, blocks, n)
+            capacity = min(-(-n // KEPT_STEP) * KEPT_STEP + KEPT_STEP, MAX_KEPT)
+            buffer = k.new_empty((2, k.shape[0], capacity, k.shape[2]))
+            buffer[0, :, :n].copy_(k)
+            buffer[1, :, :n].copy_(v)
+        self.layers[key] = (buffer, n)
+        return buffer[0, :, :n], buffer[1, :, :n]
 
 
 @dataclass
@@ -102,8 +153,11 @@ class AttentionPlan:
 
 
 def plan(cu_seqlens_q: list[int], seqused_k: list[int], block_table: torch.Tensor, block_size: int,
-         num_heads: int, num_kv_heads: int, dtype: torch.dtype, causal: bool = True) -> AttentionPlan:
-    """The plan for a batch: the host-side lists of query offsets and context lengths."""
+         num_heads: int, num_kv_heads: int, dtype: torch.dtype, causal: bool = True,
+         previous: AttentionPlan | None = None) -> AttentionPlan:
+    """The plan for a batch: the host-side lists of query offsets and context lengths.
+    `previous`: the last step's plan, whose kept K/V a lone decoding sequence may go on with
+    (see `LoneDecode`); None where blocks were moved since."""
     device = block_table.device
     q_lens = [cu_seqlens_q[i + 1] - cu_seqlens_q[i] for i in range(len(seqused_k))]
     long = []
@@ -120,6 +174,10 @@ def plan(cu_seqlens_q: list[int], seqused_k: list[int], block_table: torch.Tenso
     if seqs:
         short = _plan_short(cu_seqlens_q, q_lens, seqused_k, block_table, block_size, num_heads // num_kv_heads,
                             dtype, causal, seqs)
+        if short.alone is not None and short.alone <= MAX_KEPT:
+            short.lone = LoneDecode(short.own.tolist(), short.alone, block_size)
+            previous_short = previous.short if previous is not None else None
+            short.lone.continue_from(previous_short.lone if previous_short is not None else None)
     return AttentionPlan(short, long)
 
 
@@ -239,7 +297,10 @@ def _short_query_attention(q, k_cache, v_cache, plan: _ShortQueries, scale, out)
     if plan.alone is not None:
         # One decoding chat: torch's fused attention costs less than three matmuls and a softmax
         # at one query row per head (the rows of a K/V head need no mask: they see every key).
-        k, v = _gather_kv(k_cache, v_cache, plan.own, plan.alone)
+        if plan.lone is not None:
+            k, v = plan.lone.keys_values(k_cache, v_cache, plan.own)
+        else:
+            k, v = _gather_kv(k_cache, v_cache, plan.own, plan.alone)
         query = (q if plan.in_order else q[plan.out_rows]).view(1, kv_heads, rep, head_dim)
         result = F.scaled_dot_product_attention(query, k[None], v[None], scale=scale).view(1, heads, head_dim)
         if out is None:

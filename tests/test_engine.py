@@ -158,3 +158,31 @@ def test_refuses_what_it_cannot_serve(tiny_model_dir, tmp_path):
     GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported"):
         LLM(str(tmp_path))
+
+
+def test_a_lone_chat_goes_on_from_the_last_steps_plan_until_blocks_move(tiny_model_dir, tokenizer, monkeypatch):
+    """One chat decoding alone keeps its gathered K/V from step to step (kernels/reference.py
+    `LoneDecode`): each step's plan is made from the last one. A step that swaps or copies blocks
+    starts afresh, whatever the blocks now hold."""
+    import kernels
+    from engine.core.scheduler_output import SchedulerOutput
+
+    llm = LLM(tiny_model_dir, num_gpu_blocks=64, num_cpu_blocks=8)
+    runner = llm.engine.runner
+    handed = []
+    plan_attention = kernels.plan_attention
+
+    def spy(*args, previous=None, **kwargs):
+        handed.append(previous)
+        return plan_attention(*args, previous=previous, **kwargs)
+
+    monkeypatch.setattr(kernels, "plan_attention", spy)
+    ids = prompts_of(tokenizer, TEXTS[2:3])
+    lone = llm.generate(ids, SamplingParams(max_tokens=8, **GREEDY))[0].outputs[0].token_ids
+    assert len(handed) == 8 and handed[0] is None and all(plan is not None for plan in handed[1:])
+    assert runner._last_plan.short.lone.layers  # the last decode step read kept K/V
+    runner.execute(SchedulerOutput(blocks_to_copy=[(63, 63)]))  # a copy onto itself: moves nothing real
+    assert runner._last_plan is None
+    # The same chat in a batch (gathered every step) decodes the same tokens.
+    batch = llm.generate(ids + prompts_of(tokenizer, TEXTS[:1]), SamplingParams(max_tokens=8, **GREEDY))
+    assert batch[0].outputs[0].token_ids == lone

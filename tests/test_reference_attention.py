@@ -3,7 +3,8 @@ dense attention computed one sequence at a time."""
 import pytest
 import torch
 
-from kernels.reference import copy_blocks, paged_attention, store_kv, swap_blocks
+from kernels import reference
+from kernels.reference import copy_blocks, paged_attention, plan, store_kv, swap_blocks
 from paged_inputs import CASES, LAYOUTS, build, contiguous, dense_attention
 
 
@@ -84,3 +85,54 @@ def test_swaps_copy_runs_of_consecutive_blocks_at_once():
     from kernels.reference import contiguous_runs
     assert contiguous_runs([[4, 0], [5, 1], [6, 2], [9, 3], [10, 7], [11, 8]]) == [(4, 0, 3), (9, 3, 1), (10, 7, 2)]
     assert contiguous_runs([]) == []
+
+
+def lone_decode_plan(k_len, block_table, previous=None):
+    return plan([0, 1], [k_len], block_table[:, :-(-k_len // 16)], 16, 6, 2, torch.float32, previous=previous)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_lone_decoding_sequence_keeps_its_kv_from_step_to_step(layout, monkeypatch):
+    """Step after step, one sequence decoding alone reads the K/V it kept from the last step plus
+    the token stored this step, and gets exactly what a fresh gather of its whole context gives:
+    across block boundaries, and when its buffer has to grow (small steps here) or the context
+    outgrows what is kept at all."""
+    monkeypatch.setattr(reference, "KEPT_STEP", 16)
+    monkeypatch.setattr(reference, "MAX_KEPT", 80)
+    _, k_cache, v_cache, _, _, block_table, tables = build([1], [100], kv_heads=2, heads=6, head_dim=8, layout=layout)
+    gen = torch.Generator().manual_seed(1)
+    previous = None
+    for k_len in range(30, 100):
+        block, offset = divmod(k_len - 1, 16)  # this step's token, stored before attention reads it
+        k_cache[tables[0][block], offset] = torch.randn(2, 8, generator=gen)
+        v_cache[tables[0][block], offset] = torch.randn(2, 8, generator=gen)
+        q = torch.randn(1, 6, 8, generator=gen)
+        args = (q, k_cache, v_cache, torch.tensor([0, 1]), torch.tensor([k_len]), block_table[:, :-(-k_len // 16)], 0.3)
+        step = lone_decode_plan(k_len, block_table, previous)
+        kept = paged_attention(*args, attention_plan=step)
+        fresh = paged_attention(*args, attention_plan=lone_decode_plan(k_len, block_table))
+        assert torch.equal(kept, fresh), k_len
+        if k_len > 80:
+            assert step.short.lone is None  # beyond MAX_KEPT: gathered every step
+        elif previous is not None:
+            assert step.short.lone.layers is previous.short.lone.layers  # carried on, not started again
+        previous = step
+    want = dense_attention(q, contiguous(k_cache, tables[0], 99), contiguous(v_cache, tables[0], 99), 0.3, causal=True)
+    torch.testing.assert_close(kept.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_kept_kv_is_not_carried_to_another_sequence_or_a_skipped_step():
+    _, k_cache, v_cache, _, _, block_table, _ = build([1, 1], [60, 60], kv_heads=2, heads=6, head_dim=8)
+    q = torch.randn(1, 6, 8)
+    first = lone_decode_plan(40, block_table[:1])
+    paged_attention(q, k_cache, v_cache, None, None, None, 0.3, attention_plan=first)
+    assert first.short.lone.layers  # this layer's K/V kept
+    other_sequence = lone_decode_plan(41, block_table[1:], previous=first)
+    skipped_a_step = lone_decode_plan(42, block_table[:1], previous=first)
+    assert other_sequence.short.lone.layers is not first.short.lone.layers
+    assert skipped_a_step.short.lone.layers is not first.short.lone.layers
+    for step, rows in ((other_sequence, block_table[1:]), (skipped_a_step, block_table[:1])):
+        k_len = step.short.alone
+        fresh = lone_decode_plan(k_len, rows)
+        args = (q, k_cache, v_cache, None, None, None, 0.3)
+        assert torch.equal(paged_attention(*args, attention_plan=step), paged_attention(*args, attention_plan=fresh))

@@ -38,6 +38,9 @@ class ModelRunner:
         self.host_cache = torch.zeros(model.kv_cache_shape(max(num_host_blocks, 0), block_size),
                                       dtype=model.dtype, pin_memory=pin)
         self._generators: dict[str, torch.Generator | None] = {}
+        # The last eager step's attention plan: the next step's may carry on from it (a lone
+        # decoding chat keeps its gathered K/V), unless blocks were swapped or copied in between.
+        self._last_plan = None
         # Per request sampled this step (when its params ask for logprobs): for each sample, the
         # model's log-probabilities of its top tokens and of the sampled one.
         self.logprobs: dict[str, list[dict[int, float]]] = {}
@@ -45,6 +48,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         for request_id in out.finished_ids:
             self._generators.pop(request_id, None)
+        if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
+            self._last_plan = None
         self._move_blocks(out)
         if not out.scheduled:
             return {}
@@ -88,7 +93,8 @@ class ModelRunner:
             plan=kernels.plan_attention(q_lens=[b - a for a, b in zip(cu_q, cu_q[1:])], k_lens=k_lens,
                                         num_heads=self.model.num_heads, kv_heads=self.model.num_kv_heads,
                                         head_dim=self.model.head_dim, cache=self.kv_cache, block_table=block_table,
-                                        block_size=self.block_size))
+                                        block_size=self.block_size, previous=self._last_plan))
+        self._last_plan = meta.plan
         # Empty when every request is mid-prompt: the step only fills the cache.
         logits_indices = torch.tensor([cu_q[i + 1] - 1 for i in sample_rows], dtype=torch.int64, device=device)
         return self.model.forward(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
