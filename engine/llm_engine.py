@@ -147,6 +147,8 @@ class LLMEngine:
                 child = self.scheduler.requests.get(child_id) or done.get(child_id)
                 if child is not None:
                     deltas += self._emit(child, logprobs[index] if logprobs else None)
+        if not self.scheduler.has_unfinished():
+            self.runner.idle()
         return deltas
 
     def _emit(self, request: Request, logprobs: dict[int, float] | None) -> list[Delta]:

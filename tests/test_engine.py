@@ -163,7 +163,7 @@ def test_refuses_what_it_cannot_serve(tiny_model_dir, tmp_path):
 def test_a_lone_chat_goes_on_from_the_last_steps_plan_until_blocks_move(tiny_model_dir, tokenizer, monkeypatch):
     """One chat decoding alone keeps its gathered K/V from step to step (kernels/reference.py
     `LoneDecode`): each step's plan is made from the last one. A step that swaps or copies blocks
-    starts afresh, whatever the blocks now hold."""
+    starts afresh, whatever the blocks now hold, and an idle engine keeps none of it."""
     import kernels
     from engine.core.scheduler_output import SchedulerOutput
 
@@ -180,9 +180,15 @@ def test_a_lone_chat_goes_on_from_the_last_steps_plan_until_blocks_move(tiny_mod
     ids = prompts_of(tokenizer, TEXTS[2:3])
     lone = llm.generate(ids, SamplingParams(max_tokens=8, **GREEDY))[0].outputs[0].token_ids
     assert len(handed) == 8 and handed[0] is None and all(plan is not None for plan in handed[1:])
-    assert runner._last_plan.short.lone.layers  # the last decode step read kept K/V
+    assert handed[-1].short.lone.layers  # the step before the last kept this chat's K/V for it
+    assert runner._last_plan is None  # and with nothing left to run, none of it is held
+    llm.engine.add_request("again", ids[0], SamplingParams(max_tokens=8, **GREEDY))
+    llm.engine.step()
+    llm.engine.step()
+    assert runner._last_plan.short.lone is not None
     runner.execute(SchedulerOutput(blocks_to_copy=[(63, 63)]))  # a copy onto itself: moves nothing real
     assert runner._last_plan is None
+    llm.engine.abort_request("again")
     # The same chat in a batch (gathered every step) decodes the same tokens.
     batch = llm.generate(ids + prompts_of(tokenizer, TEXTS[:1]), SamplingParams(max_tokens=8, **GREEDY))
     assert batch[0].outputs[0].token_ids == lone
