@@ -42,7 +42,7 @@ def slot_index(slot_mapping: torch.Tensor, block_size: int, cache: torch.Tensor)
 
 def plan_attention(q_lens: list[int], k_lens: list[int], num_heads: int, kv_heads: int, head_dim: int,
                    cache: torch.Tensor, num_splits: int | None = None, block_table: torch.Tensor | None = None,
-                   block_size: int | None = None, previous=None):
+                   block_size: int | None = None, previous: object | None = None):
     """The step's attention plan, shared by every layer, built on the host from the lengths
     instead of in every layer: the Triton path's tiling (`num_splits` fixes flash-decoding's
     split count; None: from the shape), or the torch path's rows, gathers and masks (which need
