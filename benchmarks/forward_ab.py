@@ -9,8 +9,8 @@ in turn, round after round, and each side's median is compared.
 
 A variant is a Python file defining `VARIANTS(model, inputs) -> {name: apply}` (`inputs`: the
 captured forward's arguments), where `apply()` changes the code (assigns a module's function, a
-layer's weight, ...) and returns a callable that undoes it. Each variant's logits are checked against the base's (largest difference, same greedy
-tokens) before anything is timed.
+layer's weight, ...) and returns a callable that undoes it. Each variant's logits are checked
+against the base's (largest difference, same greedy tokens) before anything is timed.
 
     .venv/bin/python benchmarks/forward_ab.py --dtype bfloat16 --chats 32 --variant /tmp/my_change.py
 """
@@ -63,20 +63,25 @@ def capture_step(llm, chats, tokens: int, step: int):
     return captured[0]
 
 
-def run(apply, forward, inputs, repeat: int) -> float:
-    """Median ms of `repeat` forwards with the variant applied (after one untimed forward)."""
+def under(apply, work):
+    """`work()` with a variant applied, undone afterwards."""
     undo = apply()
     try:
-        forward(*inputs)
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            forward(*inputs)
-            times.append(time.perf_counter() - start)
-        return 1000 * statistics.median(times)
+        return work()
     finally:
         if undo is not None:
             undo()
+
+
+def timed_forwards(forward, inputs, repeat: int) -> float:
+    """Median ms of `repeat` forwards (after one untimed forward)."""
+    forward(*inputs)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        forward(*inputs)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
 
 
 def main() -> None:
@@ -112,19 +117,14 @@ def main() -> None:
     base_logits = forward(*inputs).clone()
     checks = {}
     for name, apply in sides.items():
-        undo = apply()
-        try:
-            logits = forward(*inputs)
-        finally:
-            if undo is not None:
-                undo()
+        logits = under(apply, lambda: forward(*inputs))
         checks[name] = {"max_abs_diff": float((logits - base_logits).abs().max()),
                         "same_greedy": bool(torch.equal(logits.argmax(-1), base_logits.argmax(-1)))}
 
     times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(args.rounds):
         for name, apply in sides.items():
-            times[name].append(run(apply, forward, inputs, args.repeat))
+            times[name].append(under(apply, lambda: timed_forwards(forward, inputs, args.repeat)))
 
     # Every undo ran: the base gives the logits it gave at the start.
     base_unchanged = bool(torch.equal(forward(*inputs), base_logits))

@@ -125,7 +125,9 @@ class LoneDecode:
         """This layer's K and V of the whole context, `[num_kv_heads, length, head_dim]` each."""
         key, n = k_cache.data_ptr(), self.length
         buffer, filled = self.layers.get(key, (None, 0))
-        if buffer is not None and filled == n - 1 and buffer.shape[2] >= n:
+        # The buffer holds the context up to the previous token at least (more only when the same
+        # step runs again, as benchmarks/forward_ab.py replays it): copy in this step's token.
+        if buffer is not None and filled >= n - 1 and buffer.shape[2] >= n:
             block, offset = self.blocks[(n - 1) // self.block_size], (n - 1) % self.block_size
             both = paired(k_cache, v_cache, 0)
             if both is not None:
@@ -139,7 +141,7 @@ class LoneDecode:
             buffer = k.new_empty((2, k.shape[0], capacity, k.shape[2]))
             buffer[0, :, :n].copy_(k)
             buffer[1, :, :n].copy_(v)
-        self.layers[key] = (buffer, n)
+        self.layers[key] = (buffer, max(filled, n))
         return buffer[0, :, :n], buffer[1, :, :n]
 
 
