@@ -101,7 +101,8 @@ def main() -> None:
     from engine import LLM
     from ui.panel.load_generator import LOAD_SYSTEM_PROMPT, QUESTIONS
 
-    llm = LLM(args.model, dtype=args.dtype, num_gpu_blocks=1024, num_cpu_blocks=16)
+    # The eager forward is what is measured: a lone chat's steps must not bypass it (compiled_decode.py).
+    llm = LLM(args.model, dtype=args.dtype, num_gpu_blocks=1024, num_cpu_blocks=16, compile_decode=False)
     model = llm.engine.runner.model
     chats = [[{"role": "system", "content": LOAD_SYSTEM_PROMPT[:1200]},
               {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(args.chats)]

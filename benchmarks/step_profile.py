@@ -54,7 +54,8 @@ def main() -> None:
     from engine.worker.models import linear, llama, rms_norm
     from ui.panel.load_generator import LOAD_SYSTEM_PROMPT, QUESTIONS
 
-    llm = LLM(args.model, dtype=args.dtype, num_gpu_blocks=1024, num_cpu_blocks=16)
+    # The eager forward is what is profiled: a lone chat's steps must not bypass it (compiled_decode.py).
+    llm = LLM(args.model, dtype=args.dtype, num_gpu_blocks=1024, num_cpu_blocks=16, compile_decode=False)
     engine = llm.engine
     totals: dict[str, float] = collections.defaultdict(float)
     engine.step = timed(totals, "step", engine.step)

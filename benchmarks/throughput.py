@@ -293,7 +293,10 @@ def make_llm(model: str | None, dtype: str, device: torch.device, prefix_caching
     if device.type == "cuda":
         # The KV pool gets this share of the GPU, less what is in use then (weights, CUDA context) and 2 GiB.
         options["gpu_memory_utilization"] = gpu_memory_utilization
-    return LLM(model=model, device=device.type, **options)
+    llm = LLM(model=model, device=device.type, **options)
+    if llm.engine.compiled is not None:  # measured with it ready, as served (built once per machine)
+        llm.engine.compiled.wait()
+    return llm
 
 
 def engine_generate(llm, prompts: list[list[int]], max_tokens: int):

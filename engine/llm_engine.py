@@ -22,6 +22,7 @@ from engine.outputs import Delta, EngineInfo, Usage
 from engine.worker.decode_graphs import BUCKETS
 from engine.worker.host_allocator import keep_freed_memory
 from engine.worker.memory import num_device_blocks, num_host_blocks, resolve_device, resolve_dtype
+from engine.worker import compiled_decode
 from engine.worker.model_loader import DEFAULT_MODEL_NAME, load_hf_model, model_dtype
 from engine.worker.model_runner import ModelRunner
 from engine.worker.models.llama import LlamaModel
@@ -42,7 +43,8 @@ class LLMEngine:
                  gpu_memory_utilization: float = 0.9, kv_cache_memory_gib: float = 1.0,
                  swap_space: float = 1.0, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 preemption_mode: str = "auto", watermark: float = 0.01, cuda_graphs: bool | None = None) -> None:
+                 preemption_mode: str = "auto", watermark: float = 0.01, cuda_graphs: bool | None = None,
+                 compile_decode: bool | None = None) -> None:
         self.device = resolve_device(device)
         if self.device.type == "cpu":
             keep_freed_memory()  # before the weights: every step's activations then reuse one heap
@@ -75,7 +77,18 @@ class LLMEngine:
         if cuda_graphs is None:  # on a GPU by default; elsewhere only asked for (the tests do)
             cuda_graphs = self.device.type == "cuda"
         graph_batch = min(max_num_seqs, BUCKETS[-1]) if cuda_graphs else 0
-        self.runner = ModelRunner(self.model, device_blocks, host_blocks, block_size, max_model_len, graph_batch)
+        # A lone chat's decode step compiled ahead of time (CPU): built once per machine into a
+        # cache, in the background; the eager path serves until it is ready. None: $PAGEDCHAT_COMPILE.
+        self.compiled = None
+        if compile_decode is None:
+            compile_decode = compiled_decode.enabled_by_default()
+        unsupported = compiled_decode.supported(self.device, self.dtype)
+        if compile_decode and unsupported:
+            log.info("no compiled decode step: %s", unsupported)
+        elif compile_decode:
+            self.compiled = compiled_decode.CompiledDecode(model, self.dtype, self.model).start()
+        self.runner = ModelRunner(self.model, device_blocks, host_blocks, block_size, max_model_len, graph_batch,
+                                  self.compiled)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._samples: dict[str, _SampleState] = {}
         # Shared messages are a few presets: tokenize each once, not on every request.

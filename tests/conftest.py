@@ -9,6 +9,10 @@ import os
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Engines decode eagerly here: a compiled decode step is built (a minute of both cores for the
+# real model) only where tests/test_compiled_decode.py asks for one.
+os.environ.setdefault("PAGEDCHAT_COMPILE", "0")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -183,6 +183,10 @@ def main() -> None:
                 row[f"{system}_{key}"] = round(statistics.median(f[key] for f in figures), 2)
                 row[f"{system}_{key}_rounds"] = [f[key] for f in figures]
             row[f"{system}_single_bound_share"] = round(row[f"{system}_single_tok_s"] / bound, 3)
+            if system == "engine" and all("compiled_ready_s" in f for f in figures):
+                # when its compiled lone-chat step was ready (loaded, or built on a first run)
+                row["engine_compiled_ready_s_rounds"] = [f["compiled_ready_s"] for f in figures]
+                row["engine_compiled_rounds"] = [f["compiled"] for f in figures]
         for peer in ("vllm", "llamacpp"):
             if runs.get(peer) and runs.get("engine"):
                 for key, name in (("tok_s", f"engine_over_{peer}"), ("single_tok_s", f"engine_over_{peer}_single")):

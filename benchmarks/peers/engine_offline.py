@@ -1,6 +1,9 @@
 """PagedChat's engine on the peers' workload file, measured as `vllm_offline.py` measures vLLM:
 start-up to first token (from process start: imports, weights, first step), then all chats at
-once, then one chat alone; greedy, EOS ignored, token ids as given.
+once, then one chat alone; greedy, EOS ignored, token ids as given. A lone chat's compiled decode
+step (engine/worker/compiled_decode.py) loads in the background after start-up, or is built
+there the first time on a machine (~1 min): the chats are timed once it is ready, and the time
+it was ready at is reported beside the start-up.
 
     .venv/bin/python benchmarks/peers/engine_offline.py /tmp/workload.json [--dtype bfloat16]
 """
@@ -28,13 +31,18 @@ def main() -> None:
     llm = LLM(None, dtype=args.dtype)
     llm.generate([prompts[-1]], SamplingParams(temperature=0, max_tokens=1))
     startup = time.perf_counter() - STARTED
+    compiled = llm.engine.compiled
+    if compiled is not None and not compiled.wait():
+        print(f"no compiled decode step: {compiled.error}", file=sys.stderr)
+    ready = time.perf_counter() - STARTED
     greedy = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
 
     def generate(batch: list[list[int]]) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(batch, greedy)]
 
     measure_and_report("engine", "PagedChat engine", args.dtype, cpu_model(), startup, generate, prompts,
-                       args.output_tokens)
+                       args.output_tokens, extra={"compiled_ready_s": round(ready, 1),
+                                                  "compiled": bool(compiled is not None and compiled.ready)})
 
 if __name__ == "__main__":
     main()

@@ -23,8 +23,9 @@ def parse_args(doc: str) -> tuple[argparse.Namespace, dict]:
 
 def measure_and_report(system: str, label: str, dtype: str, cpu: str, startup_s: float,
                        generate: Callable[[list[list[int]]], list[list[int]]], prompts: list[list[int]],
-                       output_tokens: int) -> None:
-    """`generate(prompts)` returns each prompt's generated token ids (greedy, EOS ignored)."""
+                       output_tokens: int, extra: dict | None = None) -> None:
+    """`generate(prompts)` returns each prompt's generated token ids (greedy, EOS ignored);
+    `extra`: more keys for the JSON line."""
     def timed(batch: list[list[int]]) -> float:
         start = time.perf_counter()
         outputs = generate(batch)
@@ -38,4 +39,5 @@ def measure_and_report(system: str, label: str, dtype: str, cpu: str, startup_s:
     print(f"{label}, {cpu}, {dtype}: start-up to first token {startup_s:.1f} s; "
           f"{len(prompts)} chats {many:.1f} tok/s; one chat {single:.1f} tok/s")
     print(json.dumps({"system": system, "dtype": dtype, "cpu": cpu, "startup_s": round(startup_s, 1),
-                      "tok_s": round(many, 2), "single_tok_s": round(single, 2), "chats": len(prompts)}))
+                      "tok_s": round(many, 2), "single_tok_s": round(single, 2), "chats": len(prompts),
+                      **(extra or {})}))

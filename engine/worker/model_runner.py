@@ -11,6 +11,7 @@ import torch
 
 import kernels
 from engine.core.scheduler_output import SchedulerOutput
+from engine.worker.compiled_decode import MAX_CONTEXT, CompiledDecode
 from engine.worker.decode_graphs import DecodeGraphs
 from engine.worker.models.llama import AttentionMetadata, LlamaModel
 from engine.worker.sampler import SamplingRow, make_generator, sample
@@ -18,9 +19,11 @@ from engine.worker.sampler import SamplingRow, make_generator, sample
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_device_blocks: int, num_host_blocks: int, block_size: int,
-                 max_model_len: int | None = None, decode_graph_batch: int = 0) -> None:
+                 max_model_len: int | None = None, decode_graph_batch: int = 0,
+                 compiled: CompiledDecode | None = None) -> None:
         """`decode_graph_batch` > 0: decode batches up to that size run through DecodeGraphs
-        (captured CUDA graphs on a GPU; the same padded path, eagerly, elsewhere)."""
+        (captured CUDA graphs on a GPU; the same padded path, eagerly, elsewhere). `compiled`: a
+        lone sequence's decode steps run through it once it is ready."""
         self.model = model
         self.device = model.device
         self.block_size = block_size
@@ -38,6 +41,7 @@ class ModelRunner:
         self.host_cache = torch.zeros(model.kv_cache_shape(max(num_host_blocks, 0), block_size),
                                       dtype=model.dtype, pin_memory=pin)
         self._generators: dict[str, torch.Generator | None] = {}
+        self.compiled = compiled
         # The last eager step's attention plan: the next step's may carry on from it (a lone
         # decoding chat keeps its gathered K/V), unless blocks were swapped or copied in between.
         self._last_plan = None
@@ -49,7 +53,7 @@ class ModelRunner:
         for request_id in out.finished_ids:
             self._generators.pop(request_id, None)
         if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
-            self._last_plan = None
+            self._forget_kept()
         self._move_blocks(out)
         if not out.scheduled:
             return {}
@@ -71,6 +75,11 @@ class ModelRunner:
             # A decode batch (one new token per sequence): replayed from a captured graph.
             logits = self.graphs.run(input_ids, positions, slots, k_lens, table_rows)
             logits = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
+        elif (len(input_ids) == 1 and sample_rows and self.compiled is not None and self.compiled.ready
+              and k_lens[0] <= MAX_CONTEXT):
+            # One sequence decoding alone: what a single user waits for, as one compiled call.
+            logits = self.compiled.decode(input_ids[0], positions[0], table_rows[0], k_lens[0], self.kv_cache, bs)
+            self._last_plan = None  # the eager path's kept K/V did not see this token
         else:
             logits = self._forward_eager(input_ids, positions, slots, cu_q, k_lens, table_rows, sample_rows)
         if not sample_rows:
@@ -80,7 +89,12 @@ class ModelRunner:
     def idle(self) -> None:
         """Nothing is left to run: drop what only a next step could use (a lone chat's kept K/V,
         up to ~190 MB for 4,096 tokens of SmolLM2 in fp32), rather than hold it while idle."""
+        self._forget_kept()
+
+    def _forget_kept(self) -> None:
         self._last_plan = None
+        if self.compiled is not None:
+            self.compiled.forget()
 
     def _forward_eager(self, input_ids: list[int], positions: list[int], slots: list[int], cu_q: list[int],
                        k_lens: list[int], table_rows: list[list[int]], sample_rows: list[int]) -> torch.Tensor:

@@ -30,6 +30,51 @@ class AttentionMetadata:
 
 
 @dataclass
+class LayerWeights:
+    """One decoder layer's plain weights, q/k/v and gate/up concatenated (one matmul each)."""
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
+class DecoderWeights:
+    """The decoder's weights as the engine computes with them, taken from a transformers model.
+    A tied output embedding is the input embedding itself (`lm_head is embed`)."""
+    embed: torch.Tensor
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    layers: list[LayerWeights]
+
+    @classmethod
+    def of(cls, hf_model, dtype: torch.dtype, device: torch.device) -> DecoderWeights:
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(device=device, dtype=dtype).contiguous()
+
+        inner = hf_model.model
+        embed = take(inner.embed_tokens.weight)
+        lm_head = hf_model.get_output_embeddings().weight
+        layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+            layers.append(LayerWeights(
+                input_norm=take(layer.input_layernorm.weight),
+                qkv=take(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
+                qkv_bias=take(torch.cat(biases)) if biases[0] is not None else None,
+                o_proj=take(attn.o_proj.weight),
+                post_norm=take(layer.post_attention_layernorm.weight),
+                gate_up=take(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                down=take(mlp.down_proj.weight)))
+        tied = lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr()
+        return cls(embed, take(inner.norm.weight), embed if tied else take(lm_head), layers)
+
+
+@dataclass
 class LlamaLayer:
     input_norm: RMSNorm
     qkv: Linear
@@ -52,38 +97,26 @@ class LlamaModel:
         self.scale = self.head_dim ** -0.5
         self.dtype, self.device = dtype, device
 
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to(device=device, dtype=dtype).contiguous()
-
-        inner = hf_model.model
-        self.embed = take(inner.embed_tokens.weight)
-        self.norm = RMSNorm(take(inner.norm.weight), self.eps)
-        lm_head = hf_model.get_output_embeddings().weight
-        self.tied = lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr()
-        self.lm_head = Linear(self.embed if self.tied else take(lm_head))
-        self.layers = []
-        for layer in inner.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-            self.layers.append(LlamaLayer(
-                input_norm=RMSNorm(take(layer.input_layernorm.weight), self.eps),
-                qkv=Linear(take(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
-                           take(torch.cat(biases)) if biases[0] is not None else None),
-                o_proj=Linear(take(attn.o_proj.weight)),
-                post_norm=RMSNorm(take(layer.post_attention_layernorm.weight), self.eps),
-                gate_up=Linear(take(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))),
-                down=Linear(take(mlp.down_proj.weight))))
+        weights = DecoderWeights.of(hf_model, dtype, device)
+        self.embed = weights.embed
+        self.norm = RMSNorm(weights.norm, self.eps)
+        self.tied = weights.lm_head is weights.embed
+        self.lm_head = Linear(weights.lm_head)
+        self.layers = [LlamaLayer(input_norm=RMSNorm(w.input_norm, self.eps), qkv=Linear(w.qkv, w.qkv_bias),
+                                  o_proj=Linear(w.o_proj), post_norm=RMSNorm(w.post_norm, self.eps),
+                                  gate_up=Linear(w.gate_up), down=Linear(w.down))
+                       for w in weights.layers]
         # Which weight layout one decoding chat streams fastest depends on the CPU: timed here, once.
         settle_few_row_path(
             [linear for layer in self.layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             + [self.lm_head])
-        rotary = inner.rotary_emb
+        rotary = hf_model.model.rotary_emb
         self._inv_freq = rotary.inv_freq.detach().float().to(device)
         self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self._cos_sin = self._rope_table(getattr(config, "max_position_embeddings", 4096))
+        self._cos_sin = self._make_rope_table(getattr(config, "max_position_embeddings", 4096))
         self._kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
-    def _rope_table(self, length: int) -> torch.Tensor:
+    def _make_rope_table(self, length: int) -> torch.Tensor:
         """cos and sin for positions 0..length-1, `[length, 2, head_dim]`, as transformers
         computes them (fp32, then cast)."""
         positions = torch.arange(length, device=self.device, dtype=torch.float32)
@@ -93,13 +126,18 @@ class LlamaModel:
         return table.to(self.dtype)
 
     @property
+    def rope_table(self) -> torch.Tensor:
+        """cos and sin by position, `[rope_length, 2, head_dim]`."""
+        return self._cos_sin
+
+    @property
     def rope_length(self) -> int:
         return self._cos_sin.shape[0]
 
     def ensure_rope(self, length: int) -> None:
         """Make the rotary table cover positions 0..length-1 (never shrinks it)."""
         if length > self._cos_sin.shape[0]:
-            self._cos_sin = self._rope_table(length)
+            self._cos_sin = self._make_rope_table(length)
 
     @property
     def num_parameters(self) -> int:

@@ -1,0 +1,131 @@
+"""The compiled lone-chat decode step (engine/worker/compiled_decode.py): built in the background
+while the eager path serves, then the same greedy tokens as the eager path, through buffer
+growth, batch-to-lone hand-overs and moved blocks; the real model against transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.worker import compiled_decode
+from engine.worker.compiled_decode import CAPACITY_STEP, CompiledDecode, package_path
+from hf_reference import hf_greedy
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+BUILD_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory):
+    """Compiled packages go to a folder of this module's own (not the machine's cache)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PAGEDCHAT_COMPILED_DIR", str(tmp_path_factory.mktemp("compiled")))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def tiny_compiled(packages, tiny_model_dir):
+    """An fp32 engine on the tiny model whose compiled step was built by the engine itself, in
+    the background, and what it served eagerly meanwhile."""
+    assert not package_path(tiny_model_dir, torch.float32).exists()
+    llm = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=64, num_cpu_blocks=8, compile_decode=True)
+    compiled = llm.engine.compiled
+    served = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, **GREEDY))[0].outputs[0].token_ids
+    not_ready_while_serving = not compiled.ready
+    assert compiled.wait(BUILD_TIMEOUT_S), compiled.error
+    return llm, served, not_ready_while_serving
+
+
+def count_calls(monkeypatch, compiled: CompiledDecode) -> list[int]:
+    calls = []
+    decode = compiled.decode
+
+    def spy(token, *args):
+        calls.append(token)
+        return decode(token, *args)
+
+    monkeypatch.setattr(compiled, "decode", spy)
+    return calls
+
+
+def test_the_engine_serves_eagerly_while_the_step_builds(tiny_compiled, tiny_model_dir):
+    llm, served, not_ready_while_serving = tiny_compiled
+    assert not_ready_while_serving and len(served) == 4
+    assert package_path(tiny_model_dir, torch.float32).exists()
+    eager = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=64, compile_decode=False)
+    assert eager.engine.compiled is None
+    assert eager.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, **GREEDY))[0].outputs[0].token_ids == served
+
+
+def test_lone_chats_decode_the_eager_tokens(tiny_compiled, tiny_model_dir, tokenizer, monkeypatch):
+    """Greedy fp32: the same tokens as the eager engine, for a chat long enough that its K/V
+    buffer grows twice, and for a batch whose longer chat goes on alone (its buffer gathered
+    from the paged cache when the other one ends)."""
+    llm = tiny_compiled[0]
+    calls = count_calls(monkeypatch, llm.engine.compiled)
+    eager = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=64, compile_decode=False)
+    prompt = tokenizer("In a hole in the ground there lived a hobbit.", add_special_tokens=False).input_ids
+    long = SamplingParams(max_tokens=2 * CAPACITY_STEP + 10, **GREEDY)
+    ours = llm.generate([prompt], long)[0].outputs[0].token_ids
+    assert ours == eager.generate([prompt], long)[0].outputs[0].token_ids
+    assert len(calls) == long.max_tokens - 1  # every step after the prompt's
+
+    calls.clear()
+    batch = [prompt, tokenizer("Once", add_special_tokens=False).input_ids]
+    params = [SamplingParams(max_tokens=40, **GREEDY), SamplingParams(max_tokens=12, **GREEDY)]
+    ours = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+    assert ours == [o.outputs[0].token_ids for o in eager.generate(batch, params)]
+    assert len(calls) == 40 - 12  # only the steps the longer chat took alone
+
+
+def test_a_sequence_whose_blocks_moved_is_gathered_afresh(tiny_compiled):
+    """The step keeps one sequence's K/V between calls only while the sequence goes on in the
+    same blocks: the same context in other blocks (a swap, a copy) is read from them again, and
+    gives the same logits as a fresh start."""
+    llm = tiny_compiled[0]
+    runner, compiled = llm.engine.runner, llm.engine.compiled
+    cache, bs = runner.kv_cache, runner.block_size
+    torch.manual_seed(1)
+    cache[:8].copy_(torch.randn_like(cache[:8]))
+    cache[8:16].copy_(cache[:8])  # the same K/V in blocks 8..15
+
+    def step(blocks, length, fresh=False):
+        if fresh:
+            compiled.forget()
+        return compiled.decode(11, length - 1, blocks, length, cache, bs)
+
+    first = step(list(range(8)), 3 * bs + 1, fresh=True)
+    step(list(range(8)), 3 * bs + 2)  # kept: this writes the token after
+    moved = step(list(range(8, 16)), 3 * bs + 1)  # one shorter, other blocks: not the kept buffer
+    assert torch.equal(moved, first)
+    compiled.forget()
+    assert compiled._buffer is None
+
+
+def test_a_failed_build_leaves_the_engine_eager(packages, tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=16, compile_decode=False)
+    broken = CompiledDecode(tiny_model_dir, torch.float16, llm.engine.model).start()  # no fp16 build exists
+    assert not broken.wait(BUILD_TIMEOUT_S)
+    assert "exited with 2" in broken.error and "float16" in broken.error
+    assert compiled_decode.supported(torch.device("cpu"), torch.float16) is not None
+    assert compiled_decode.supported(torch.device("meta"), torch.float32) is not None
+
+
+def test_packages_are_keyed_by_model_and_dtype(packages, tiny_model_dir, deep_model_dir):
+    paths = {package_path(m, d) for m in (tiny_model_dir, deep_model_dir) for d in (torch.float32, torch.bfloat16)}
+    assert len(paths) == 4 and all(p.suffix == ".pt2" for p in paths)
+    assert package_path(tiny_model_dir, torch.float32) == package_path(tiny_model_dir, torch.float32)
+
+
+def test_real_model_compiled_greedy_equals_transformers(packages, smol_hf, monkeypatch):
+    """The default model in fp32, its lone decode steps through the compiled graph."""
+    llm = LLM(dtype="float32", num_gpu_blocks=128, num_cpu_blocks=0, compile_decode=True)
+    assert llm.engine.compiled.wait(BUILD_TIMEOUT_S), llm.engine.compiled.error
+    calls = count_calls(monkeypatch, llm.engine.compiled)
+    for chat in ([{"role": "user", "content": "What is the capital of France?"}],
+                 [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}]):
+        ids = llm.engine.encode(llm.engine.apply_chat_template(chat))
+        ours = llm.generate([ids], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0].token_ids
+        assert ours == hf_greedy(smol_hf, ids, 24)
+    assert len(calls) == 2 * 23
