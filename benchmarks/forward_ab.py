@@ -9,7 +9,7 @@ in turn, round after round, and each side's median is compared.
 
 A variant is a Python file defining `VARIANTS(model, inputs) -> {name: apply}` (`inputs`: the
 captured forward's arguments), where `apply()` changes the code (assigns a module's function, a
-layer's weight, ...) and returns a callable that undoes it. Each variant's logits are checked
+layer's weight, the model's whole `forward`, ...) and returns a callable that undoes it. Each variant's logits are checked
 against the base's (largest difference, same greedy tokens) before anything is timed.
 
     .venv/bin/python benchmarks/forward_ab.py --dtype bfloat16 --chats 32 --variant /tmp/my_change.py
@@ -114,7 +114,9 @@ def main() -> None:
             if name in sides:
                 raise SystemExit(f"two variants are called {name!r}")
             sides[name] = apply
-    forward = model.forward
+    def forward(*args):  # looked up each call: a variant may replace the whole forward
+        return model.forward(*args)
+
     base_logits = forward(*inputs).clone()
     checks = {}
     for name, apply in sides.items():

@@ -78,7 +78,8 @@ class LLMEngine:
             cuda_graphs = self.device.type == "cuda"
         graph_batch = min(max_num_seqs, BUCKETS[-1]) if cuda_graphs else 0
         # A lone chat's decode step compiled ahead of time (CPU): built once per machine into a
-        # cache, in the background; the eager path serves until it is ready. None: $PAGEDCHAT_COMPILE.
+        # cache, and loaded, in the background from the first step on; the eager path serves until
+        # it is ready. None: $PAGEDCHAT_COMPILE.
         self.compiled = None
         if compile_decode is None:
             compile_decode = compiled_decode.enabled_by_default()
@@ -86,7 +87,7 @@ class LLMEngine:
         if compile_decode and unsupported:
             log.info("no compiled decode step: %s", unsupported)
         elif compile_decode:
-            self.compiled = compiled_decode.CompiledDecode(model, self.dtype, self.model).start()
+            self.compiled = compiled_decode.CompiledDecode(model, self.dtype, self.model)
         self.runner = ModelRunner(self.model, device_blocks, host_blocks, block_size, max_model_len, graph_batch,
                                   self.compiled)
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -146,6 +147,8 @@ class LLMEngine:
         except Exception as error:  # a failed forward fails the requests in it, not the engine
             log.exception("model step failed")
             return self._fail([item.request for item in out.scheduled], error)
+        if self.compiled is not None and not self.compiled.started:
+            self.compiled.start()  # after a first step, which it must not delay
         finished = self.scheduler.update(out, sampled)
         done = {r.request_id: r for r in finished}
         deltas: list[Delta] = []

@@ -77,12 +77,15 @@ def test_lone_chats_decode_the_eager_tokens(tiny_compiled, tiny_model_dir, token
     ours = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
     assert ours == [o.outputs[0].token_ids for o in eager.generate(batch, params)]
     assert len(calls) == 40 - 12  # only the steps the longer chat took alone
+    assert llm.engine.compiled._buffer is None  # and nothing is held once idle
 
 
 def test_a_sequence_whose_blocks_moved_is_gathered_afresh(tiny_compiled):
     """The step keeps one sequence's K/V between calls only while the sequence goes on in the
     same blocks: the same context in other blocks (a swap, a copy) is read from them again, and
     gives the same logits as a fresh start."""
+    from engine.core.scheduler_output import SchedulerOutput
+
     llm = tiny_compiled[0]
     runner, compiled = llm.engine.runner, llm.engine.compiled
     cache, bs = runner.kv_cache, runner.block_size
@@ -96,10 +99,13 @@ def test_a_sequence_whose_blocks_moved_is_gathered_afresh(tiny_compiled):
         return compiled.decode(11, length - 1, blocks, length, cache, bs)
 
     first = step(list(range(8)), 3 * bs + 1, fresh=True)
-    step(list(range(8)), 3 * bs + 2)  # kept: this writes the token after
-    moved = step(list(range(8, 16)), 3 * bs + 1)  # one shorter, other blocks: not the kept buffer
-    assert torch.equal(moved, first)
-    compiled.forget()
+    kept = compiled._buffer
+    assert torch.equal(step(list(range(8)), 3 * bs + 1), first)  # the same step again, from the kept buffer
+    step(list(range(8)), 3 * bs + 2)  # and the next one
+    assert compiled._buffer is kept
+    moved = step(list(range(8, 16)), 3 * bs + 1)  # the same context in other blocks: gathered from them
+    assert compiled._buffer is not kept and torch.equal(moved, first)
+    runner.execute(SchedulerOutput(blocks_to_copy=[(63, 63)]))  # any block move forgets it
     assert compiled._buffer is None
 
 

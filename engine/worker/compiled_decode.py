@@ -155,18 +155,27 @@ class CompiledDecode:
     def ready(self) -> bool:
         return self._ready.is_set()
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def start(self) -> CompiledDecode:
-        self._thread = threading.Thread(target=self._prepare, name="compiled-decode", daemon=True)
-        self._thread.start()
+        """Build (when missing) and load in the background. The engine calls this after its first
+        step, so that loading (~2 s of copying weights) never delays a first token."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._prepare, name="compiled-decode", daemon=True)
+            self._thread.start()
         return self
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the graph is ready (True) or failed or `timeout` passed (False)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """Start if not started, then block until the graph is ready (True) or failed or `timeout`
+        passed (False)."""
+        self.start()._thread.join(timeout)
         return self.ready
 
     def _prepare(self) -> None:
+        with contextlib.suppress(OSError):  # this thread only: the serving thread keeps its priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         try:
             if not self.path.exists():
                 self._build_in_subprocess()
@@ -180,20 +189,17 @@ class CompiledDecode:
     def _build_in_subprocess(self) -> None:
         log.info("building the compiled decode step (once per machine): %s", self.path.name)
         root = Path(__file__).resolve().parents[2]
-        with tempfile.TemporaryDirectory(prefix="pagedchat-inductor-") as scratch:
-            # inductor's own cache of the build (hundreds of MB) goes with the scratch folder
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": scratch, "PYTHONPATH": str(root)}
-            command = [sys.executable, "-m", "engine.worker.compiled_decode", "--dtype",
-                       str(self.dtype).removeprefix("torch."), "--out", str(self.path)]
-            if self.model:
-                command += ["--model", self.model]
-            done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True,
-                                  preexec_fn=lambda: os.nice(10))
+        command = [sys.executable, "-m", "engine.worker.compiled_decode", "--background", "--dtype",
+                   str(self.dtype).removeprefix("torch."), "--out", str(self.path)]
+        if self.model:
+            command += ["--model", self.model]
+        done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(root)}, cwd=root, capture_output=True,
+                              text=True)
         if done.returncode != 0:
             raise RuntimeError(f"the build exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
 
     def forget(self) -> None:
-        """Drop the kept K/V: blocks moved, or nothing is left to run."""
+        """Drop the kept K/V: another path wrote to the cache, blocks moved, or nothing is left to run."""
         self._buffer, self._blocks, self._filled = None, [], 0
 
     def decode(self, token: int, position: int, blocks: list[int], length: int, kv_cache: torch.Tensor,
@@ -202,7 +208,11 @@ class CompiledDecode:
         in `blocks` of the paged cache. Returns fp32 logits `[1, vocab]`; stores the token's K/V
         in the cache's slot for position `length - 1`."""
         past = length - 1
-        if not (self._buffer is not None and self._filled == past and self._blocks == blocks[:len(self._blocks)]):
+        # The buffer goes on from the last call when it holds this context's first `past` tokens
+        # from the same blocks: the caller forgets it whenever anything else may have written
+        # those blocks (an eager step, a swap, a copy). It holds more than `past` only when the
+        # same step runs again, as benchmarks/forward_ab.py replays one.
+        if not (self._buffer is not None and self._filled >= past and self._blocks == blocks[:len(self._blocks)]):
             self._gather(blocks, past, kv_cache, block_size)
         elif length > self._buffer.shape[3]:
             grown = self._buffer.new_zeros((*self._buffer.shape[:3], self._capacity(length), self._buffer.shape[4]))
@@ -213,7 +223,7 @@ class CompiledDecode:
                                    torch.tensor(past))
         self._buffer[:, :, :, past].copy_(new_kv)
         kv_cache[blocks[past // block_size], :, :, :, past % block_size].copy_(new_kv)
-        self._blocks, self._filled = list(blocks), length
+        self._blocks, self._filled = list(blocks), max(self._filled, length)
         return logits
 
     @staticmethod
@@ -235,13 +245,19 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="folder or hub id (default: $MODEL, else the embedded model)")
     parser.add_argument("--dtype", choices=[str(d).removeprefix("torch.") for d in DTYPES], default="float32")
     parser.add_argument("--out", default=None, help="package path (default: this machine's cache entry)")
+    parser.add_argument("--background", action="store_true", help="at a low priority (beside a serving engine)")
     args = parser.parse_args()
+    if args.background:
+        os.nice(10)
     dtype = getattr(torch, args.dtype)
     out = Path(args.out) if args.out else package_path(args.model, dtype)
     if out.exists() and not args.out:
         print(f"already built: {out}")
         return
-    print(f"built: {build(args.model, dtype, out)}")
+    with tempfile.TemporaryDirectory(prefix="pagedchat-inductor-") as scratch:
+        # inductor's own cache of the build (hundreds of MB) goes with the scratch folder
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch
+        print(f"built: {build(args.model, dtype, out)}")
 
 
 if __name__ == "__main__":

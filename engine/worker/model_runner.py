@@ -81,6 +81,8 @@ class ModelRunner:
             logits = self.compiled.decode(input_ids[0], positions[0], table_rows[0], k_lens[0], self.kv_cache, bs)
             self._last_plan = None  # the eager path's kept K/V did not see this token
         else:
+            if self.compiled is not None:
+                self.compiled.forget()  # this step may write blocks a later lone step would find unchanged
             logits = self._forward_eager(input_ids, positions, slots, cu_q, k_lens, table_rows, sample_rows)
         if not sample_rows:
             return {}
