@@ -53,18 +53,22 @@ def enabled_by_default() -> bool:
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the compiled step cannot run here, or None when it can."""
+    """Why the compiled step cannot run here, or None when it may (whether a package can be
+    built is found out in the background: importing inductor alone takes a second)."""
     if device.type != "cpu":
         return f"it is built for CPUs (the engine runs on {device.type})"
     if dtype not in DTYPES:
         return f"it is built for float32 and bfloat16, not {dtype}"
     if not torch.backends.mkldnn.is_available():
         return "this torch has no oneDNN"
+    return None
+
+
+def _check_compiler() -> None:
     from torch._inductor import config
     compiler = config.cpp.cxx[1] if isinstance(config.cpp.cxx, tuple) else config.cpp.cxx
     if shutil.which(compiler or "g++") is None:
-        return f"no C++ compiler ({compiler or 'g++'}) on PATH"
-    return None
+        raise RuntimeError(f"no C++ compiler ({compiler or 'g++'}) on PATH to build it with")
 
 
 def package_path(model: str | None, dtype: torch.dtype) -> Path:
@@ -142,7 +146,7 @@ class CompiledDecode:
 
     def __init__(self, model: str | None, dtype: torch.dtype, decoder: LlamaModel) -> None:
         self.model, self.dtype, self.decoder = model, dtype, decoder
-        self.path = package_path(model, dtype)
+        self.path: Path | None = None  # found in the background (inductor's ISA check compiles a probe)
         self.error: str | None = None
         self._ready = threading.Event()
         self._run = None
@@ -177,7 +181,10 @@ class CompiledDecode:
         with contextlib.suppress(OSError):  # this thread only: the serving thread keeps its priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         try:
+            if self.path is None:
+                self.path = package_path(self.model, self.dtype)
             if not self.path.exists():
+                _check_compiler()
                 self._build_in_subprocess()
             self._run = torch._inductor.aoti_load_package(str(self.path))
             self._ready.set()
