@@ -135,3 +135,21 @@ def test_real_model_compiled_greedy_equals_transformers(packages, smol_hf, monke
         ours = llm.generate([ids], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0].token_ids
         assert ours == hf_greedy(smol_hf, ids, 24)
     assert len(calls) == 2 * 23
+
+
+def test_a_hub_models_package_follows_its_revision(packages, tmp_path, monkeypatch):
+    """A hub id is keyed by the snapshot the engine loaded (huggingface_hub's cache): a new
+    revision of the model is a new package, not the old one's weights."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--someone--tiny-chat"
+    for revision, width in (("a" * 40, 64), ("b" * 40, 128)):
+        (repo / "snapshots" / revision).mkdir(parents=True)
+        (repo / "snapshots" / revision / "config.json").write_text(f'{{"hidden_size": {width}}}')
+    (repo / "refs").mkdir()
+    paths = []
+    for revision in ("a" * 40, "b" * 40):
+        (repo / "refs" / "main").write_text(revision)
+        paths.append(package_path("someone/tiny-chat", torch.float32))
+    assert paths[0] != paths[1] and all(p.name.startswith("decode-tiny-chat-float32-") for p in paths)

@@ -5,13 +5,12 @@ third of it between the weight matmuls: ~900 small ops a step for a 30-layer mod
 microseconds of dispatch. `DecodeStep` (engine/worker/models/decode_step.py) compiled ahead of
 time by AOTInductor runs the whole step as one C++ call: the small ops fused into loops, the
 matmuls straight into oneDNN's packed kernels. SmolLM2-135M on a 2-core AMD EPYC, the same
-captured step timed in one process (benchmarks/forward_ab.py): bf16 7.65 vs 10.09 ms, fp32 11.44
-vs 14.67.
+captured step timed in one process (benchmarks/forward_ab.py, the host in its slower mode): bf16
+8.79 vs 11.18 ms, fp32 15.02 vs 18.97.
 
 The package depends on the model's weights, the dtype, torch, the CPU's vector instructions
 and this code, so it is keyed by all of them and kept under `cache_dir()/compiled`
-($PAGEDCHAT_COMPILED_DIR when set). A missing
-one is built by a subprocess at a low priority (`python -m engine.worker.compiled_decode`,
+($PAGEDCHAT_COMPILED_DIR when set). A missing one is built by a subprocess at a low priority (`python -m engine.worker.compiled_decode`,
 ~50-60 s for SmolLM2-135M on 2 cores, once), then loaded by a thread (~2 s, releasing the
 GIL): the engine starts as fast as without it and decodes eagerly until the graph is ready.
 Built or loaded, it holds a second copy of the weights (packed inside the package).
@@ -77,16 +76,24 @@ def package_path(model: str | None, dtype: torch.dtype) -> Path:
 
     root = Path(__file__).resolve().parents[2]
     folder = Path(resolve_model(model))
+    name = folder.name
     identity = {"model": str(folder), "dtype": str(dtype), "torch": torch.__version__, "isa": str(pick_vec_isa()),
                 "pack_rows": PACK_ROWS, "max_context": MAX_CONTEXT,
                 "code": [hashlib.sha256((root / name).read_bytes()).hexdigest() for name in _SOURCES]}
+    if not folder.is_dir():  # a hub id: the revision the engine loaded is the cached snapshot's
+        with contextlib.suppress(Exception):
+            from huggingface_hub import try_to_load_from_cache
+            config = try_to_load_from_cache(str(identity["model"]), "config.json")
+            if isinstance(config, str):
+                folder = Path(config).parent  # .../snapshots/<commit>
     if folder.is_dir():
+        identity["snapshot"] = str(folder)
         identity["config"] = (folder / "config.json").read_text()
         identity["weights"] = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
                                      for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
     folder_of_packages = Path(os.environ.get("PAGEDCHAT_COMPILED_DIR") or cache_dir() / "compiled")
-    return folder_of_packages / f"decode-{folder.name}-{str(dtype).removeprefix('torch.')}-{key}.pt2"
+    return folder_of_packages / f"decode-{name}-{str(dtype).removeprefix('torch.')}-{key}.pt2"
 
 
 @contextlib.contextmanager
@@ -245,6 +252,7 @@ class CompiledDecode:
         self._buffer = kv_cache.new_zeros((layers, 2, kv_heads, self._capacity(past + 1), dim))
         self._buffer[:, :, :, :past].copy_(held.permute(1, 2, 3, 0, 4, 5).reshape(layers, 2, kv_heads, -1, dim)[
             :, :, :, :past])
+        self._blocks, self._filled = blocks[:used], past
 
 
 def main() -> None:
