@@ -153,3 +153,23 @@ def test_a_hub_models_package_follows_its_revision(packages, tmp_path, monkeypat
         (repo / "refs" / "main").write_text(revision)
         paths.append(package_path("someone/tiny-chat", torch.float32))
     assert paths[0] != paths[1] and all(p.name.startswith("decode-tiny-chat-float32-") for p in paths)
+
+
+def test_forward_ab_variant_runs_the_compiled_step(tiny_compiled, tiny_model_dir, monkeypatch):
+    """benchmarks/variants/compiled_step.py times the compiled step against the eager forward on
+    one captured step: its logits match the eager forward's (fp32), and the base is left as it was."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("MODEL", tiny_model_dir)
+    done = subprocess.run([sys.executable, "benchmarks/forward_ab.py", "--model", tiny_model_dir, "--tokens", "24",
+                           "--step", "12", "--rounds", "2", "--repeat", "1",
+                           "--variant", "benchmarks/variants/compiled_step.py"],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    compiled = figures["sides"]["compiled"]
+    assert figures["base_unchanged"] and compiled["same_greedy"] and compiled["max_abs_diff"] < 1e-4
