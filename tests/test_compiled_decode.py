@@ -109,11 +109,15 @@ def test_a_sequence_whose_blocks_moved_is_gathered_afresh(tiny_compiled):
     assert compiled._buffer is None
 
 
-def test_a_failed_build_leaves_the_engine_eager(packages, tiny_model_dir):
+def test_a_failed_build_leaves_the_engine_eager(packages, tiny_model_dir, deep_model_dir, monkeypatch):
     llm = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=16, compile_decode=False)
     broken = CompiledDecode(tiny_model_dir, torch.float16, llm.engine.model).start()  # no fp16 build exists
     assert not broken.wait(BUILD_TIMEOUT_S)
     assert "exited with 2" in broken.error and "float16" in broken.error
+    monkeypatch.setattr(compiled_decode, "BUILD_TIMEOUT_S", 0.5)  # a build that hangs is stopped
+    slow = CompiledDecode(deep_model_dir, torch.float32, llm.engine.model)
+    assert not slow.wait(60) and "took over 0.5 s" in slow.error
+    assert not package_path(deep_model_dir, torch.float32).exists()
     assert compiled_decode.supported(torch.device("cpu"), torch.float16) is not None
     assert compiled_decode.supported(torch.device("meta"), torch.float32) is not None
 

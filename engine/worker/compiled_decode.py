@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 CAPACITY_STEP = 64    # the K/V buffer grows by this many tokens; attention runs over all of it, masked
 MAX_CONTEXT = 4096    # longer contexts decode eagerly (the buffer of SmolLM2 at 4,096 tokens is 190 MB in fp32)
+BUILD_TIMEOUT_S = 30 * 60  # a build that takes longer is stopped (SmolLM2 takes ~1 min on 2 cores)
 DTYPES = (torch.float32, torch.bfloat16)
 _SOURCES = ("engine/worker/compiled_decode.py", "engine/worker/models/decode_step.py",
             "engine/worker/models/llama.py")
@@ -207,8 +208,11 @@ class CompiledDecode:
                    str(self.dtype).removeprefix("torch."), "--out", str(self.path)]
         if self.model:
             command += ["--model", self.model]
-        done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(root)}, cwd=root, capture_output=True,
-                              text=True)
+        try:
+            done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(root)}, cwd=root,
+                                  capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired as error:
+            raise RuntimeError(f"the build took over {BUILD_TIMEOUT_S} s and was stopped") from error
         if done.returncode != 0:
             raise RuntimeError(f"the build exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
 
