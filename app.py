@@ -26,6 +26,8 @@ from pathlib import Path
 import gradio as gr
 import uvicorn
 from fastapi import FastAPI
+from gradio.routes import App as GradioApp
+from starlette.routing import Mount
 
 from engine import EngineClient, add_openai_api, is_loopback
 from storage import Store, default_path, hub_backup
@@ -75,6 +77,18 @@ def build_server(demo: gr.Blocks, client: EngineClient | None, sessions: Session
         # Gradio warns that SSR is off for a multi-page app; it is off by our choice anyway.
         warnings.filterwarnings("ignore", message="SSR mode is not supported", category=UserWarning)
         return gr.mount_gradio_app(server, demo, path="/", ssr_mode=False, head=page_script.HEAD, css=page_script.CSS)
+
+
+class AppServer(uvicorn.Server):
+    """uvicorn's server that, when shutdown begins, ends the event streams each open page holds
+    (Gradio's session heartbeats never end on their own): otherwise uvicorn waits out the whole
+    grace period for them and then cancels them, logging a traceback for each."""
+
+    async def shutdown(self, sockets=None) -> None:
+        for route in self.config.app.routes:
+            if isinstance(route, Mount) and isinstance(route.app, GradioApp):
+                route.app.stop_event.set()
+        await super().shutdown(sockets)
 
 
 def api_enabled(host: str, api_key: str | None) -> bool:
@@ -154,10 +168,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"PagedChat on http://{args.host}:{args.port}/ (API: {api})", flush=True)
         # uvicorn shuts down on SIGTERM (how a Space stops the app), then re-raises it; exiting
         # through SystemExit then runs the `finally` below: the engine stops, the last backup.
-        # Open pages hold event streams forever, so shutdown waits for them only a few seconds.
+        # A reply still streaming when it comes gets a few seconds to finish.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        uvicorn.run(server, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        AppServer(uvicorn.Config(server, host=args.host, port=args.port, log_level="warning",
+                                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)).run()
     finally:
         if load is not None:
             load.stop()
