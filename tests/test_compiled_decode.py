@@ -159,21 +159,58 @@ def test_a_hub_models_package_follows_its_revision(packages, tmp_path, monkeypat
     assert paths[0] != paths[1] and all(p.name.startswith("decode-tiny-chat-float32-") for p in paths)
 
 
-def test_forward_ab_variant_runs_the_compiled_step(tiny_compiled, tiny_model_dir, monkeypatch):
-    """benchmarks/variants/compiled_step.py times the compiled step against the eager forward on
-    one captured step: its logits match the eager forward's (fp32), and the base is left as it was."""
+def run_forward_ab(model: str, dtype: str, monkeypatch) -> dict:
+    """benchmarks/forward_ab.py with the compiled-step variant on one captured step of `model`:
+    its figures for the compiled side (building the package first when there is none)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    monkeypatch.setenv("MODEL", tiny_model_dir)
-    done = subprocess.run([sys.executable, "benchmarks/forward_ab.py", "--model", tiny_model_dir, "--tokens", "24",
-                           "--step", "12", "--rounds", "2", "--repeat", "1",
+    monkeypatch.setenv("MODEL", model)
+    done = subprocess.run([sys.executable, "benchmarks/forward_ab.py", "--model", model, "--dtype", dtype,
+                           "--tokens", "24", "--step", "12", "--rounds", "2", "--repeat", "1",
                            "--variant", "benchmarks/variants/compiled_step.py"],
                           cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
-    compiled = figures["sides"]["compiled"]
-    assert figures["base_unchanged"] and compiled["same_greedy"] and compiled["max_abs_diff"] < 1e-4
+    assert figures["base_unchanged"]
+    return figures["sides"]["compiled"]
+
+
+def test_forward_ab_variant_runs_the_compiled_step(tiny_compiled, tiny_model_dir, monkeypatch):
+    """benchmarks/variants/compiled_step.py times the compiled step against the eager forward on
+    one captured step: its logits match the eager forward's (fp32), and the base is left as it was."""
+    compiled = run_forward_ab(tiny_model_dir, "float32", monkeypatch)
+    assert compiled["same_greedy"] and compiled["max_abs_diff"] < 1e-4
+
+
+def test_bf16_step_runs_with_onednn_off_and_matches_eager(packages, tiny_model_dir, monkeypatch):
+    """bf16: the graph's matmuls are torch's own matrix-vector kernel, which torch picks only
+    with oneDNN switched off, so the step switches it off for its call alone and back on after,
+    failed or not. Its logits on a captured step match the eager forward's up to bf16 rounding."""
+    compiled = run_forward_ab(tiny_model_dir, "bfloat16", monkeypatch)
+    # bf16 keeps 8 significant bits: this model's logits (tens) round to steps of 0.125 or 0.25.
+    assert compiled["same_greedy"] and compiled["max_abs_diff"] <= 0.5
+
+    llm = LLM(tiny_model_dir, dtype="bfloat16", num_gpu_blocks=16, compile_decode=False)
+    step = CompiledDecode(tiny_model_dir, torch.bfloat16, llm.engine.model)
+    assert step.wait(BUILD_TIMEOUT_S), step.error  # the package forward_ab.py built
+    run, seen = step._run, []
+
+    def spy(*inputs):
+        seen.append(torch.backends.mkldnn.enabled)
+        return run(*inputs)
+
+    def fail(*inputs):
+        raise RuntimeError("the step failed")
+
+    cache, bs = llm.engine.runner.kv_cache, llm.engine.runner.block_size
+    step._run = spy
+    logits = step.decode(11, 3, [0], 4, cache, bs)
+    assert seen == [False] and torch.backends.mkldnn.enabled and torch.isfinite(logits).all()
+    step._run = fail
+    with pytest.raises(RuntimeError, match="the step failed"):
+        step.decode(12, 4, [0], 5, cache, bs)
+    assert torch.backends.mkldnn.enabled

@@ -4,16 +4,16 @@ What a single user waits for on a CPU is one sequence's decode step, and eager t
 third of it between the weight matmuls: ~900 small ops a step for a 30-layer model, each a few
 microseconds of dispatch. `DecodeStep` (engine/worker/models/decode_step.py) compiled ahead of
 time by AOTInductor runs the whole step as one C++ call: the small ops fused into loops, the
-matmuls straight into oneDNN's packed kernels. SmolLM2-135M on a 2-core AMD EPYC, the same
-captured step timed in one process (benchmarks/forward_ab.py, the host in its slower mode): bf16
-8.79 vs 11.18 ms, fp32 15.02 vs 18.97.
+matmuls as the fastest one-row kernel at hand (`_matmuls_as_sums`). SmolLM2-135M on a 2-core
+AMD EPYC, the same captured step timed in one process (benchmarks/forward_ab.py): bf16 7.9 vs
+11.5 ms, fp32 15.0 vs 19.3 (the host in its slower mode).
 
 The package depends on the model's weights, the dtype, torch, the CPU's vector instructions
 and this code, so it is keyed by all of them and kept under `cache_dir()/compiled`
 ($PAGEDCHAT_COMPILED_DIR when set). A missing one is built by a subprocess at a low priority (`python -m engine.worker.compiled_decode`,
 ~50-60 s for SmolLM2-135M on 2 cores, once), then loaded by a thread (~2 s, releasing the
 GIL): the engine starts as fast as without it and decodes eagerly until the graph is ready.
-Built or loaded, it holds a second copy of the weights (packed inside the package).
+Built or loaded, it holds a second copy of the weights (inside the package).
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from engine.worker.model_loader import cache_dir, load_hf_model, resolve_model
-from engine.worker.models.linear import PACK_ROWS
 from engine.worker.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -79,7 +78,7 @@ def package_path(model: str | None, dtype: torch.dtype) -> Path:
     folder = Path(resolve_model(model))
     name = folder.name
     identity = {"model": str(folder), "dtype": str(dtype), "torch": torch.__version__, "isa": str(pick_vec_isa()),
-                "pack_rows": PACK_ROWS, "max_context": MAX_CONTEXT,
+                "max_context": MAX_CONTEXT,
                 "code": [hashlib.sha256((root / name).read_bytes()).hexdigest() for name in _SOURCES]}
     if not folder.is_dir():  # a hub id: the revision the engine loaded is the cached snapshot's
         with contextlib.suppress(Exception):
@@ -93,29 +92,22 @@ def package_path(model: str | None, dtype: torch.dtype) -> Path:
         identity["weights"] = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
                                      for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
-    folder_of_packages = Path(os.environ.get("PAGEDCHAT_COMPILED_DIR") or cache_dir() / "compiled")
-    return folder_of_packages / f"decode-{name}-{str(dtype).removeprefix('torch.')}-{key}.pt2"
+    return packages_folder() / f"decode-{name}-{str(dtype).removeprefix('torch.')}-{key}.pt2"
 
 
-@contextlib.contextmanager
-def _pack_for_rows(rows: int):
-    """Make inductor lay out packed weights for `rows`-row batches, as `Linear` does: inductor
-    packs for the traced batch, one row, and oneDNN's one-row layout streams fp32 weights ~20%
-    slower on the EPYC above (the whole model's matmuls at one row: 16.0 vs 12.8 ms; bf16 the same
-    either way)."""
-    from torch._inductor.fx_passes import mkldnn_fusion
+def packages_folder() -> Path:
+    return Path(os.environ.get("PAGEDCHAT_COMPILED_DIR") or cache_dir() / "compiled")
 
-    op = getattr(mkldnn_fusion, "CpuMkldnnDeviceOp", None)
-    if op is None:  # another torch: its default layout
-        yield
-        return
-    original = op.pack_linear_weight
-    op.pack_linear_weight = lambda self, graph, low_precision, weight, batch_size: original(
-        self, graph, low_precision, weight, rows)
-    try:
-        yield
-    finally:
-        op.pack_linear_weight = original
+
+def _matmuls_as_sums(dtype: torch.dtype) -> bool:
+    """How the step's weight matmuls run, one row times a weight matrix, which streams the weights
+    once: whichever of the kernels at hand streams them fastest. bf16: torch's own
+    matrix-vector kernel (fp32 accumulation, one rounding), reached through `linear` with oneDNN
+    switched off (`CompiledDecode._call`). fp32: inductor's loops over the product and sum
+    (`DecodeStep`'s `matmuls_as_sums`), since torch's fp32 kernel there is MKL's, at half
+    oneDNN's speed on AMD. Either beats oneDNN's packed one-row kernel: on the 2-core EPYC
+    above, the whole step 7.8 vs 9.2 ms (bf16) and 13.5 vs 15.0 ms (fp32)."""
+    return dtype == torch.float32
 
 
 def build(model: str | None, dtype: torch.dtype, out: Path) -> Path:
@@ -126,7 +118,7 @@ def build(model: str | None, dtype: torch.dtype, out: Path) -> Path:
     from engine.worker.models.decode_step import DecodeStep
 
     hf_model, _ = load_hf_model(model, dtype)
-    step = DecodeStep(hf_model, dtype).eval()
+    step = DecodeStep(hf_model, dtype, matmuls_as_sums=_matmuls_as_sums(dtype)).eval()
     del hf_model
     layers, kv_heads, dim = len(step.layers), step.num_kv_heads, step.head_dim
     example = (torch.zeros(1, dtype=torch.int64), torch.ones(1, dim, dtype=dtype), torch.zeros(1, dim, dtype=dtype),
@@ -134,16 +126,23 @@ def build(model: str | None, dtype: torch.dtype, out: Path) -> Path:
     capacity = Dim("capacity", min=2, max=MAX_CONTEXT + CAPACITY_STEP)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
-    with torch.no_grad(), _pack_for_rows(PACK_ROWS):
+    with torch.no_grad():
         program = torch.export.export(step, example, dynamic_shapes=(None, None, None, {3: capacity}, None))
-        torch._inductor.aoti_compile_and_package(program, package_path=str(staging),
-                                                 inductor_configs={"freezing": True})
+        # Frozen weights are constants the compiler folds into the graph, not packed for oneDNN.
+        # Reassociation and fused multiply-adds let the C++ compiler split a loop's running sum
+        # over several registers (infinities and NaNs keep their meaning): the fp32 step 5-10%
+        # faster, within 1e-3 of the logits.
+        torch._inductor.aoti_compile_and_package(program, package_path=str(staging), inductor_configs={
+            "freezing": True, "cpp.weight_prepack": False, "cpp.enable_unsafe_math_opt_flag": True,
+            "cpp.enable_floating_point_contract_flag": "fast"})
     staging.replace(out)
-    # Older builds for this model and dtype (other code, another torch) are never loaded again.
-    family = out.name.rsplit("-", 1)[0]
-    for stale in out.parent.glob(f"{family}-*.pt2"):
-        if stale != out and ".tmp." not in stale.name:
-            stale.unlink(missing_ok=True)
+    # Older builds for this model and dtype (other code, another torch) are never loaded again;
+    # a package written elsewhere (--out) leaves its folder alone.
+    if out.parent.resolve() == packages_folder().resolve():
+        family = out.name.rsplit("-", 1)[0]
+        for stale in out.parent.glob(f"{family}-*.pt2"):
+            if stale != out and ".tmp." not in stale.name:
+                stale.unlink(missing_ok=True)
     return out
 
 
@@ -237,12 +236,23 @@ class CompiledDecode:
             grown[:, :, :, :past].copy_(self._buffer[:, :, :, :past])
             self._buffer = grown
         cos_sin = self.decoder.rope_table[position]
-        logits, new_kv = self._run(torch.tensor([token]), cos_sin[0:1], cos_sin[1:2], self._buffer,
-                                   torch.tensor(past))
+        logits, new_kv = self._call(torch.tensor([token]), cos_sin[0:1], cos_sin[1:2], self._buffer,
+                                    torch.tensor(past))
         self._buffer[:, :, :, past].copy_(new_kv)
         kv_cache[blocks[past // block_size], :, :, :, past % block_size].copy_(new_kv)
         self._blocks, self._filled = list(blocks), max(self._filled, length)
         return logits
+
+    def _call(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        # The graph's bf16 matmuls go through torch's dispatch, which picks oneDNN's unpacked
+        # (slow) kernel while oneDNN is on. The switch is process-wide: a torch op on another
+        # thread meanwhile takes its path without oneDNN, slower, never wrong.
+        was = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = False
+        try:
+            return self._run(*inputs)
+        finally:
+            torch.backends.mkldnn.enabled = was
 
     @staticmethod
     def _capacity(length: int) -> int:

@@ -26,8 +26,13 @@ def _frozen(t: torch.Tensor | None) -> torch.nn.Parameter | None:
 
 
 class DecodeStep(torch.nn.Module):
-    def __init__(self, hf_model, dtype: torch.dtype) -> None:
+    def __init__(self, hf_model, dtype: torch.dtype, matmuls_as_sums: bool = False) -> None:
+        """`matmuls_as_sums` (fp32 only): each weight matmul written as a product and a sum over
+        the input features, which the compiler turns into its own matrix-vector loop, instead
+        of a `linear` it hands to a library (in bf16, freezing would store the weights converted
+        to fp32, twice the bytes to stream)."""
         super().__init__()
+        self.matmuls_as_sums = matmuls_as_sums
         config = hf_model.config
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -41,6 +46,12 @@ class DecodeStep(torch.nn.Module):
             for name in ("input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down"):
                 setattr(layer, name, _frozen(getattr(w, name)))
             self.layers.append(layer)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.matmuls_as_sums:
+            return F.linear(x, weight, bias)
+        y = (x[..., None, :] * weight).sum(-1)
+        return y if bias is None else y + bias
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -61,7 +72,7 @@ class DecodeStep(torch.nn.Module):
         hidden = F.embedding(token, self.embed)
         new_kv = []
         for index, layer in enumerate(self.layers):
-            qkv = F.linear(self._rms_norm(hidden, layer.input_norm), layer.qkv, layer.qkv_bias)
+            qkv = self._linear(self._rms_norm(hidden, layer.input_norm), layer.qkv, layer.qkv_bias)
             qk = qkv[:, :(heads + kv_heads) * dim].view(heads + kv_heads, dim)
             qk = qk * cos + torch.cat([-qk[:, half:], qk[:, :half]], -1) * sin
             q = qk[:heads].view(kv_heads, group, dim).float()
@@ -75,9 +86,9 @@ class DecodeStep(torch.nn.Module):
             own = (q * k.float()).sum(-1, keepdim=True) * scale
             probs = torch.softmax(torch.cat([scores, own], -1), -1)
             attn = (probs[..., :capacity, None] * values).sum(-2) + probs[..., capacity:] * v.float()
-            hidden = hidden + F.linear(attn.to(self.dtype).reshape(1, heads * dim), layer.o_proj)
-            gate, up = F.linear(self._rms_norm(hidden, layer.post_norm), layer.gate_up).chunk(2, -1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            hidden = hidden + self._linear(attn.to(self.dtype).reshape(1, heads * dim), layer.o_proj)
+            gate, up = self._linear(self._rms_norm(hidden, layer.post_norm), layer.gate_up).chunk(2, -1)
+            hidden = hidden + self._linear(F.silu(gate) * up, layer.down)
             new_kv.append(torch.cat([k, v]))
-        logits = F.linear(self._rms_norm(hidden, self.norm), self.lm_head).float()
+        logits = self._linear(self._rms_norm(hidden, self.norm), self.lm_head).float()
         return logits, torch.stack(new_kv).view(len(self.layers), 2, kv_heads, dim)
