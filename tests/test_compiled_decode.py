@@ -96,7 +96,9 @@ def test_a_sequence_whose_blocks_moved_is_gathered_afresh(tiny_compiled):
     def step(blocks, length, fresh=False):
         if fresh:
             compiled.forget()
-        return compiled.decode(11, length - 1, blocks, length, cache, bs)
+        logits, best = compiled.decode(11, length - 1, blocks, length, cache, bs)
+        assert torch.equal(best, logits.argmax(-1))  # the graph's argmax, which greedy sampling takes
+        return logits
 
     first = step(list(range(8)), 3 * bs + 1, fresh=True)
     kept = compiled._buffer
@@ -208,7 +210,7 @@ def test_bf16_step_runs_with_onednn_off_and_matches_eager(packages, tiny_model_d
 
     cache, bs = llm.engine.runner.kv_cache, llm.engine.runner.block_size
     step._run = spy
-    logits = step.decode(11, 3, [0], 4, cache, bs)
+    logits, _ = step.decode(11, 3, [0], 4, cache, bs)
     assert seen == [False] and torch.backends.mkldnn.enabled and torch.isfinite(logits).all()
     step._run = fail
     with pytest.raises(RuntimeError, match="the step failed"):

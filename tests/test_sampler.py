@@ -66,6 +66,25 @@ def test_greedy_is_argmax_and_ties_go_to_the_lowest_index():
     assert out[3] == [7]
 
 
+def test_a_known_argmax_serves_plain_greedy_rows_only():
+    """The compiled decode step hands its logits' argmax along: a greedy row with nothing to ban
+    or penalize takes it (here a deliberately different token, to see that it is used); one
+    with a penalty or a ban computes its own; sampled rows ignore it."""
+    logits = random_logits(3, 500)
+    known = (logits.argmax(dim=-1) + 1) % 500
+    plain, penalized, banned = (row(temperature=0), row(temperature=0, token_ids=[5], repetition_penalty=1.3),
+                                row(temperature=0))
+    top = int(logits[2].argmax())
+    banned.banned_token_ids = frozenset({top})
+    assert sample(logits[:1], [plain], known[:1]) == [[int(known[0])]]
+    assert sample(logits[1:2], [penalized], known[1:2]) == sample(logits[1:2], [penalized])
+    assert sample(logits[2:], [banned], known[2:]) == sample(logits[2:], [banned]) != [[top]]
+    mixed = [row(temperature=0), row(seed=1, temperature=1.0), row(temperature=0)]
+    out = sample(logits, mixed, known)
+    assert out[0] == [int(known[0])] and out[2] == [int(known[2])]
+    assert out[1] == sample(logits[1:2], [row(seed=1, temperature=1.0)])[0]
+
+
 @pytest.mark.parametrize("vocab", [49152, 32000, 1000, 50])
 def test_the_chunked_argmax_is_torchs_on_ties_and_nan(vocab):
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab))

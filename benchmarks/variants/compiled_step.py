@@ -25,7 +25,7 @@ def VARIANTS(model, inputs) -> dict:
         raise SystemExit(f"no compiled step: {compiled.error}")
 
     def forward(*_):
-        return compiled.decode(token, position, blocks, length, kv_cache, block_size)
+        return compiled.decode(token, position, blocks, length, kv_cache, block_size)[0]
 
     def apply():
         model.forward = forward

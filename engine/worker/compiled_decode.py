@@ -220,10 +220,10 @@ class CompiledDecode:
         self._buffer, self._blocks, self._filled = None, [], 0
 
     def decode(self, token: int, position: int, blocks: list[int], length: int, kv_cache: torch.Tensor,
-               block_size: int) -> torch.Tensor:
+               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of a sequence whose context, this token included, is `length` tokens
-        in `blocks` of the paged cache. Returns fp32 logits `[1, vocab]`; stores the token's K/V
-        in the cache's slot for position `length - 1`."""
+        in `blocks` of the paged cache. Returns fp32 logits `[1, vocab]` and their argmax `[1]`;
+        stores the token's K/V in the cache's slot for position `length - 1`."""
         past = length - 1
         # The buffer goes on from the last call when it holds this context's first `past` tokens
         # from the same blocks: the caller forgets it whenever anything else may have written
@@ -236,12 +236,12 @@ class CompiledDecode:
             grown[:, :, :, :past].copy_(self._buffer[:, :, :, :past])
             self._buffer = grown
         cos_sin = self.decoder.rope_table[position]
-        logits, new_kv = self._call(torch.tensor([token]), cos_sin[0:1], cos_sin[1:2], self._buffer,
+        logits, new_kv, best = self._call(torch.tensor([token]), cos_sin[0:1], cos_sin[1:2], self._buffer,
                                     torch.tensor(past))
         self._buffer[:, :, :, past].copy_(new_kv)
         kv_cache[blocks[past // block_size], :, :, :, past % block_size].copy_(new_kv)
         self._blocks, self._filled = list(blocks), max(self._filled, length)
-        return logits
+        return logits, best
 
     def _call(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         # The graph's bf16 matmuls go through torch's dispatch, which picks oneDNN's unpacked

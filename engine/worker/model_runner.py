@@ -71,6 +71,7 @@ class ModelRunner:
             table_rows.append(table)
             if item.num_samples:
                 sample_rows.append(len(cu_q) - 2)
+        known_argmax = None
         if self.graphs is not None and len(input_ids) == len(table_rows) <= self.graphs.max_batch:
             # A decode batch (one new token per sequence): replayed from a captured graph.
             logits = self.graphs.run(input_ids, positions, slots, k_lens, table_rows)
@@ -78,7 +79,8 @@ class ModelRunner:
         elif (len(input_ids) == 1 and sample_rows and self.compiled is not None and self.compiled.ready
               and k_lens[0] <= MAX_CONTEXT):
             # One sequence decoding alone: what a single user waits for, as one compiled call.
-            logits = self.compiled.decode(input_ids[0], positions[0], table_rows[0], k_lens[0], self.kv_cache, bs)
+            logits, known_argmax = self.compiled.decode(input_ids[0], positions[0], table_rows[0], k_lens[0],
+                                                        self.kv_cache, bs)
             self._last_plan = None  # the eager path's kept K/V did not see this token
         else:
             if self.compiled is not None:
@@ -86,7 +88,7 @@ class ModelRunner:
             logits = self._forward_eager(input_ids, positions, slots, cu_q, k_lens, table_rows, sample_rows)
         if not sample_rows:
             return {}
-        return self._sample(out, logits, sample_rows)
+        return self._sample(out, logits, sample_rows, known_argmax)
 
     def idle(self) -> None:
         """Nothing is left to run: drop what only a next step could use (a lone chat's kept K/V,
@@ -121,7 +123,8 @@ class ModelRunner:
         return self.model.forward(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
                                   self.kv_cache, meta, logits_indices)
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sample_rows: list[int]) -> dict[str, list[int]]:
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sample_rows: list[int],
+                known_argmax: torch.Tensor | None = None) -> dict[str, list[int]]:
         rows = []
         items = [out.scheduled[i] for i in sample_rows]
         for item in items:
@@ -130,7 +133,7 @@ class ModelRunner:
             banned = request.stop_ids if request.num_output_tokens < params.min_tokens else frozenset()
             rows.append(SamplingRow(params, request.all_token_ids, self._generator(request), item.num_samples,
                                     request.num_prompt_tokens, banned))
-        tokens = sample(logits, rows)
+        tokens = sample(logits, rows, known_argmax)
         self.logprobs = {}
         for i, (item, toks) in enumerate(zip(items, tokens)):
             k = item.request.sampling_params.logprobs

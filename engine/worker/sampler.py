@@ -44,15 +44,18 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[int]]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], known_argmax: torch.Tensor | None = None) -> list[list[int]]:
     """logits: float tensor [len(rows), vocab] (fp32, fp16 or bf16; may be on CUDA). Returns, per row,
-    `num_samples` token ids (python ints)."""
+    `num_samples` token ids (python ints). `known_argmax` `[len(rows)]`: the logits' argmax where
+    the caller has it already (the compiled decode step computes it with them); greedy rows with
+    nothing to ban or penalize take it instead of another pass over the vocabulary."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
     if any(row.num_samples < 1 for row in rows):
         raise ValueError("num_samples must be at least 1")
     logits = logits.float()
-    if any(_adjusts(row) for row in rows):
+    adjusted = any(_adjusts(row) for row in rows)
+    if adjusted:
         logits = logits.clone()  # the caller's logits (for logprobs) stay as the model gave them
         _ban_(logits, rows)
         _apply_output_penalties_(logits, rows)
@@ -60,9 +63,14 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[int]]:
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     if greedy:
         greedy_rows = [rows[i] for i in greedy]
-        penalized = _take(logits, greedy, copy=any(_penalizes(row) for row in greedy_rows))
-        _apply_repetition_penalty_(penalized, greedy_rows)
-        for i, token in zip(greedy, argmax(penalized).tolist()):
+        penalizes = any(_penalizes(row) for row in greedy_rows)
+        if known_argmax is not None and not adjusted and not penalizes:
+            best = _take(known_argmax, greedy)
+        else:
+            penalized = _take(logits, greedy, copy=penalizes)
+            _apply_repetition_penalty_(penalized, greedy_rows)
+            best = argmax(penalized)
+        for i, token in zip(greedy, best.tolist()):
             results[i] = [token] * rows[i].num_samples
     random = [i for i, row in enumerate(rows) if not row.params.greedy]
     if random:

@@ -60,11 +60,13 @@ class DecodeStep(torch.nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * weight.float()).to(x.dtype)
 
     def forward(self, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-                length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """token `[1]`; cos, sin `[1, head_dim]` (the token's position); kv `[layers, 2,
         kv_heads, capacity, head_dim]`, the sequence's K and V with its first `length` (a 0-d
-        int64 tensor) positions filled. Returns fp32 logits `[1, vocab]` and the token's own K/V,
-        `[layers, 2, kv_heads, head_dim]`, for the caller to store."""
+        int64 tensor) positions filled. Returns fp32 logits `[1, vocab]`, the token's own K/V,
+        `[layers, 2, kv_heads, head_dim]`, for the caller to store, and the logits' argmax `[1]`
+        (what greedy sampling picks: a pass over the vocabulary outside the graph costs more, run
+        with caches cold from streaming the weights)."""
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         group, half, scale = heads // kv_heads, dim // 2, dim ** -0.5
         capacity = kv.shape[3]
@@ -91,4 +93,4 @@ class DecodeStep(torch.nn.Module):
             hidden = hidden + self._linear(F.silu(gate) * up, layer.down)
             new_kv.append(torch.cat([k, v]))
         logits = self._linear(self._rms_norm(hidden, self.norm), self.lm_head).float()
-        return logits, torch.stack(new_kv).view(len(self.layers), 2, kv_heads, dim)
+        return logits, torch.stack(new_kv).view(len(self.layers), 2, kv_heads, dim), logits.argmax(-1)
