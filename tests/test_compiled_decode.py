@@ -1,6 +1,7 @@
-"""The compiled lone-chat decode step (engine/worker/compiled_decode.py): built in the background
-while the eager path serves, then the same greedy tokens as the eager path, through buffer
-growth, batch-to-lone hand-overs and moved blocks; the real model against transformers."""
+"""The compiled decode steps (engine/worker/compiled_decode.py): built in the background while the
+eager path serves, then the same greedy tokens as the eager path: a lone chat's through buffer
+growth, batch-to-lone hand-overs and moved blocks, a batch's with and without a shared prefix;
+the real model against transformers."""
 from __future__ import annotations
 
 import pytest
@@ -37,15 +38,15 @@ def tiny_compiled(packages, tiny_model_dir):
     return llm, served, not_ready_while_serving
 
 
-def count_calls(monkeypatch, compiled: CompiledDecode) -> list[int]:
+def count_calls(monkeypatch, compiled: CompiledDecode, method: str = "decode") -> list:
     calls = []
-    decode = compiled.decode
+    decode = getattr(compiled, method)
 
-    def spy(token, *args):
-        calls.append(token)
-        return decode(token, *args)
+    def spy(tokens, *args):
+        calls.append(tokens)
+        return decode(tokens, *args)
 
-    monkeypatch.setattr(compiled, "decode", spy)
+    monkeypatch.setattr(compiled, method, spy)
     return calls
 
 
@@ -53,6 +54,7 @@ def test_the_engine_serves_eagerly_while_the_step_builds(tiny_compiled, tiny_mod
     llm, served, not_ready_while_serving = tiny_compiled
     assert not_ready_while_serving and len(served) == 4
     assert package_path(tiny_model_dir, torch.float32).exists()
+    assert package_path(tiny_model_dir, torch.float32, "batch").exists()
     eager = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=64, compile_decode=False)
     assert eager.engine.compiled is None
     assert eager.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, **GREEDY))[0].outputs[0].token_ids == served
@@ -78,6 +80,26 @@ def test_lone_chats_decode_the_eager_tokens(tiny_compiled, tiny_model_dir, token
     assert ours == [o.outputs[0].token_ids for o in eager.generate(batch, params)]
     assert len(calls) == 40 - 12  # only the steps the longer chat took alone
     assert llm.engine.compiled._buffer is None  # and nothing is held once idle
+
+
+def test_decode_batches_decode_the_eager_tokens(tiny_compiled, tiny_model_dir, tokenizer, monkeypatch):
+    """Greedy fp32: batches of decodes through the compiled batch step give the eager engine's
+    tokens, for chats that share a system prompt of whole blocks (read once for all of them),
+    chats that share nothing, and chats of different lengths that drop out one by one."""
+    llm = tiny_compiled[0]
+    batch_calls = count_calls(monkeypatch, llm.engine.compiled, "decode_batch")
+    eager = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=64, compile_decode=False)
+    system = tokenizer("You are a helpful assistant who answers in one short sentence. " * 4,
+                       add_special_tokens=False).input_ids
+    assert len(system) >= 2 * 16  # two whole blocks every chat shares
+    questions = ["Why is the sky blue?", "Name a prime.", "Hello there", "What is a hobbit?"]
+    shared = [system + tokenizer(q, add_special_tokens=False).input_ids for q in questions]
+    alone = [tokenizer(q, add_special_tokens=False).input_ids for q in questions[:3]]
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (30, 9, 21, 14)]
+    for prompts in (shared, alone):
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params[:len(prompts)])]
+        assert ours == [o.outputs[0].token_ids for o in eager.generate(prompts, params[:len(prompts)])]
+    assert len(batch_calls) >= 2 * 20 and {len(tokens) for tokens in batch_calls} >= {2, 3, 4}
 
 
 def test_a_sequence_whose_blocks_moved_is_gathered_afresh(tiny_compiled):
@@ -131,16 +153,22 @@ def test_packages_are_keyed_by_model_and_dtype(packages, tiny_model_dir, deep_mo
 
 
 def test_real_model_compiled_greedy_equals_transformers(packages, smol_hf, monkeypatch):
-    """The default model in fp32, its lone decode steps through the compiled graph."""
+    """The default model in fp32: lone decode steps through the compiled lone-chat graph, then the
+    same chats together, their steps through the compiled batch graph."""
     llm = LLM(dtype="float32", num_gpu_blocks=128, num_cpu_blocks=0, compile_decode=True)
     assert llm.engine.compiled.wait(BUILD_TIMEOUT_S), llm.engine.compiled.error
     calls = count_calls(monkeypatch, llm.engine.compiled)
-    for chat in ([{"role": "user", "content": "What is the capital of France?"}],
-                 [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}]):
-        ids = llm.engine.encode(llm.engine.apply_chat_template(chat))
-        ours = llm.generate([ids], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0].token_ids
-        assert ours == hf_greedy(smol_hf, ids, 24)
-    assert len(calls) == 2 * 23
+    batch_calls = count_calls(monkeypatch, llm.engine.compiled, "decode_batch")
+    chats = ([{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}])
+    prompts = [llm.engine.encode(llm.engine.apply_chat_template(chat)) for chat in chats]
+    expected = [hf_greedy(smol_hf, ids, 24) for ids in prompts]
+    for ids, tokens in zip(prompts, expected):
+        assert llm.generate([ids], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0].token_ids == tokens
+    assert len(calls) == 2 * 23 and not batch_calls
+    together = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
+    assert [o.outputs[0].token_ids for o in together] == expected
+    assert len(batch_calls) == 23
 
 
 def test_a_hub_models_package_follows_its_revision(packages, tmp_path, monkeypatch):
@@ -161,9 +189,10 @@ def test_a_hub_models_package_follows_its_revision(packages, tmp_path, monkeypat
     assert paths[0] != paths[1] and all(p.name.startswith("decode-tiny-chat-float32-") for p in paths)
 
 
-def run_forward_ab(model: str, dtype: str, monkeypatch) -> dict:
-    """benchmarks/forward_ab.py with the compiled-step variant on one captured step of `model`:
-    its figures for the compiled side (building the package first when there is none)."""
+def run_forward_ab(model: str, dtype: str, monkeypatch, chats: int = 1) -> dict:
+    """benchmarks/forward_ab.py with the compiled-step variant on one captured step of `model`
+    with `chats` chats: its figures for the compiled side (building the packages first when there
+    are none)."""
     import json
     import subprocess
     import sys
@@ -172,7 +201,7 @@ def run_forward_ab(model: str, dtype: str, monkeypatch) -> dict:
     root = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("MODEL", model)
     done = subprocess.run([sys.executable, "benchmarks/forward_ab.py", "--model", model, "--dtype", dtype,
-                           "--tokens", "24", "--step", "12", "--rounds", "2", "--repeat", "1",
+                           "--chats", str(chats), "--tokens", "24", "--step", "12", "--rounds", "2", "--repeat", "1",
                            "--variant", "benchmarks/variants/compiled_step.py"],
                           cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -183,9 +212,11 @@ def run_forward_ab(model: str, dtype: str, monkeypatch) -> dict:
 
 def test_forward_ab_variant_runs_the_compiled_step(tiny_compiled, tiny_model_dir, monkeypatch):
     """benchmarks/variants/compiled_step.py times the compiled step against the eager forward on
-    one captured step: its logits match the eager forward's (fp32), and the base is left as it was."""
-    compiled = run_forward_ab(tiny_model_dir, "float32", monkeypatch)
-    assert compiled["same_greedy"] and compiled["max_abs_diff"] < 1e-4
+    one captured step, a lone chat's and a batch's: their logits match the eager forward's (fp32),
+    and the base is left as it was."""
+    for chats in (1, 3):
+        compiled = run_forward_ab(tiny_model_dir, "float32", monkeypatch, chats)
+        assert compiled["same_greedy"] and compiled["max_abs_diff"] < 1e-4
 
 
 def test_bf16_step_runs_with_onednn_off_and_matches_eager(packages, tiny_model_dir, monkeypatch):

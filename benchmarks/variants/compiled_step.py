@@ -1,9 +1,12 @@
-"""A `benchmarks/forward_ab.py` variant: the captured one-chat decode step through the compiled
-step (engine/worker/compiled_decode.py) instead of the eager forward, built first if this
-machine has no package for the model and dtype yet. The model is $MODEL's (the embedded default
-without it): name the same one with forward_ab.py's --model.
+"""A `benchmarks/forward_ab.py` variant: the captured decode step through the compiled step
+(engine/worker/compiled_decode.py) instead of the eager forward: the lone-chat graph for one
+chat, the batch graph for more. Both are built first if this machine has no packages for the
+model and dtype yet. The model is $MODEL's (the embedded default without it): name the same one
+with forward_ab.py's --model.
 
     .venv/bin/python benchmarks/forward_ab.py --dtype bfloat16 --chats 1 \\
+        --variant benchmarks/variants/compiled_step.py
+    .venv/bin/python benchmarks/forward_ab.py --dtype bfloat16 --chats 32 \\
         --variant benchmarks/variants/compiled_step.py
 """
 from __future__ import annotations
@@ -15,17 +18,20 @@ def VARIANTS(model, inputs) -> dict:
     from engine.worker.compiled_decode import CompiledDecode
 
     input_ids, positions, kv_cache, meta, _ = inputs
-    if input_ids.shape[0] != 1:
-        raise SystemExit("the compiled step decodes one chat: capture with --chats 1")
-    length, block_size = int(meta.seqused_k[0]), kv_cache.shape[4]
-    blocks = meta.block_table[0, :-(-length // block_size)].tolist()
-    token, position = int(input_ids[0]), int(positions[0])
+    block_size = kv_cache.shape[4]
+    lengths = meta.seqused_k.tolist()
+    if len(lengths) != input_ids.shape[0]:
+        raise SystemExit("the compiled steps decode one token per chat: capture a decode step")
+    tables = [meta.block_table[i, :-(-n // block_size)].tolist() for i, n in enumerate(lengths)]
     compiled = CompiledDecode(os.environ.get("MODEL"), model.dtype, model)
     if not compiled.wait():
         raise SystemExit(f"no compiled step: {compiled.error}")
+    tokens, positions = input_ids.tolist(), positions.tolist()
 
     def forward(*_):
-        return compiled.decode(token, position, blocks, length, kv_cache, block_size)[0]
+        if len(tokens) == 1:
+            return compiled.decode(tokens[0], positions[0], tables[0], lengths[0], kv_cache, block_size)[0]
+        return compiled.decode_batch(tokens, tables, lengths, kv_cache, block_size)[0]
 
     def apply():
         model.forward = forward

@@ -1,4 +1,5 @@
-"""A lone chat's decode step as one AOTInductor-compiled graph, built once per machine and cached.
+"""Decode steps as AOTInductor-compiled graphs, built once per machine and cached: a lone chat's,
+and a batch's.
 
 What a single user waits for on a CPU is one sequence's decode step, and eager torch spends a
 third of it between the weight matmuls: ~900 small ops a step for a 30-layer model, each a few
@@ -6,14 +7,17 @@ microseconds of dispatch. `DecodeStep` (engine/worker/models/decode_step.py) com
 time by AOTInductor runs the whole step as one C++ call: the small ops fused into loops, the
 matmuls as the fastest one-row kernel at hand (`_matmuls_as_sums`). SmolLM2-135M on a 2-core
 AMD EPYC, the same captured step timed in one process (benchmarks/forward_ab.py): bf16 7.9 vs
-11.5 ms, fp32 15.0 vs 19.3 (the host in its slower mode).
+11.5 ms, fp32 15.0 vs 19.3 (the host in its slower mode). A batch of decodes (every sequence adding
+one token, the steady state of a busy server) runs `BatchDecodeStep`
+(engine/worker/models/batch_decode_step.py) the same way, reading past K/V from the paged cache:
+32 chats in bf16, 25.6 vs 29.7 ms a step.
 
-The package depends on the model's weights, the dtype, torch, the CPU's vector instructions
+A package depends on the model's weights, the dtype, torch, the CPU's vector instructions
 and this code, so it is keyed by all of them and kept under `cache_dir()/compiled`
 ($PAGEDCHAT_COMPILED_DIR when set). A missing one is built by a subprocess at a low priority (`python -m engine.worker.compiled_decode`,
 ~50-60 s for SmolLM2-135M on 2 cores, once), then loaded by a thread (~2 s, releasing the
 GIL): the engine starts as fast as without it and decodes eagerly until the graph is ready.
-Built or loaded, it holds a second copy of the weights (inside the package).
+Built or loaded, each package holds another copy of the weights.
 """
 from __future__ import annotations
 
@@ -41,8 +45,14 @@ CAPACITY_STEP = 64    # the K/V buffer grows by this many tokens; attention runs
 MAX_CONTEXT = 4096    # longer contexts decode eagerly (the buffer of SmolLM2 at 4,096 tokens is 190 MB in fp32)
 BUILD_TIMEOUT_S = 30 * 60  # a build that takes longer is stopped (SmolLM2 takes ~1 min on 2 cores)
 DTYPES = (torch.float32, torch.bfloat16)
-_SOURCES = ("engine/worker/compiled_decode.py", "engine/worker/models/decode_step.py",
-            "engine/worker/models/llama.py")
+KINDS = ("lone", "batch")  # one sequence's step (`DecodeStep`), a batch's (`BatchDecodeStep`)
+BATCH_BLOCK_SIZE = 16  # the batch graph reads caches of this block size (the engine's default)
+MAX_BATCH = 256       # larger decode batches run eagerly
+_SOURCES = {"lone": ("engine/worker/compiled_decode.py", "engine/worker/models/decode_step.py",
+                     "engine/worker/models/llama.py"),
+            "batch": ("engine/worker/compiled_decode.py", "engine/worker/models/batch_decode_step.py",
+                      "engine/worker/models/decode_step.py", "engine/worker/models/llama.py")}
+_PREFIX = {"lone": "decode", "batch": "batch-decode"}
 
 
 def enabled_by_default() -> bool:
@@ -70,8 +80,8 @@ def _check_compiler() -> None:
         raise RuntimeError(f"no C++ compiler ({compiler or 'g++'}) on PATH to build it with")
 
 
-def package_path(model: str | None, dtype: torch.dtype) -> Path:
-    """Where the package for `model` in `dtype` on this machine lives."""
+def package_path(model: str | None, dtype: torch.dtype, kind: str = "lone") -> Path:
+    """Where the `kind` package for `model` in `dtype` on this machine lives."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     root = Path(__file__).resolve().parents[2]
@@ -79,7 +89,7 @@ def package_path(model: str | None, dtype: torch.dtype) -> Path:
     name = folder.name
     identity = {"model": str(folder), "dtype": str(dtype), "torch": torch.__version__, "isa": str(pick_vec_isa()),
                 "max_context": MAX_CONTEXT,
-                "code": [hashlib.sha256((root / name).read_bytes()).hexdigest() for name in _SOURCES]}
+                "kind": kind, "code": [hashlib.sha256((root / name).read_bytes()).hexdigest() for name in _SOURCES[kind]]}
     if not folder.is_dir():  # a hub id: the revision the engine loaded is the cached snapshot's
         with contextlib.suppress(Exception):
             from huggingface_hub import try_to_load_from_cache
@@ -92,7 +102,7 @@ def package_path(model: str | None, dtype: torch.dtype) -> Path:
         identity["weights"] = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
                                      for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
-    return packages_folder() / f"decode-{name}-{str(dtype).removeprefix('torch.')}-{key}.pt2"
+    return packages_folder() / f"{_PREFIX[kind]}-{name}-{str(dtype).removeprefix('torch.')}-{key}.pt2"
 
 
 def packages_folder() -> Path:
@@ -110,34 +120,26 @@ def _matmuls_as_sums(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def build(model: str | None, dtype: torch.dtype, out: Path) -> Path:
-    """Export and compile `DecodeStep` for `model` in `dtype` into the package `out` (written whole,
-    then renamed into place: a reader never sees half a package)."""
-    from torch.export import Dim
-
-    from engine.worker.models.decode_step import DecodeStep
-
+def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") -> Path:
+    """Export and compile the `kind` step for `model` in `dtype` into the package `out` (written
+    whole, then renamed into place: a reader never sees half a package)."""
     hf_model, _ = load_hf_model(model, dtype)
-    step = DecodeStep(hf_model, dtype, matmuls_as_sums=_matmuls_as_sums(dtype)).eval()
+    program = _export_batch(hf_model, dtype) if kind == "batch" else _export_lone(hf_model, dtype)
     del hf_model
-    layers, kv_heads, dim = len(step.layers), step.num_kv_heads, step.head_dim
-    example = (torch.zeros(1, dtype=torch.int64), torch.ones(1, dim, dtype=dtype), torch.zeros(1, dim, dtype=dtype),
-               torch.zeros(layers, 2, kv_heads, 2 * CAPACITY_STEP, dim, dtype=dtype), torch.tensor(1))
-    capacity = Dim("capacity", min=2, max=MAX_CONTEXT + CAPACITY_STEP)
+    # Frozen weights are constants the compiler folds into the graph (a batch's matmuls take
+    # them packed for oneDNN; a lone row's run faster unpacked, see `_matmuls_as_sums`).
+    # Reassociation and fused multiply-adds let the C++ compiler split a loop's running sum
+    # over several registers (infinities and NaNs keep their meaning): the fp32 lone step 5-10%
+    # faster, within 1e-3 of the logits.
+    configs = {"freezing": True, "cpp.enable_unsafe_math_opt_flag": True,
+               "cpp.enable_floating_point_contract_flag": "fast", "cpp.weight_prepack": kind == "batch"}
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
     with torch.no_grad():
-        program = torch.export.export(step, example, dynamic_shapes=(None, None, None, {3: capacity}, None))
-        # Frozen weights are constants the compiler folds into the graph, not packed for oneDNN.
-        # Reassociation and fused multiply-adds let the C++ compiler split a loop's running sum
-        # over several registers (infinities and NaNs keep their meaning): the fp32 step 5-10%
-        # faster, within 1e-3 of the logits.
-        torch._inductor.aoti_compile_and_package(program, package_path=str(staging), inductor_configs={
-            "freezing": True, "cpp.weight_prepack": False, "cpp.enable_unsafe_math_opt_flag": True,
-            "cpp.enable_floating_point_contract_flag": "fast"})
+        torch._inductor.aoti_compile_and_package(program, package_path=str(staging), inductor_configs=configs)
     staging.replace(out)
-    # Older builds for this model and dtype (other code, another torch) are never loaded again;
-    # a package written elsewhere (--out) leaves its folder alone.
+    # Older builds for this model, dtype and kind (other code, another torch) are never loaded
+    # again; a package written elsewhere (--out) leaves its folder alone.
     if out.parent.resolve() == packages_folder().resolve():
         family = out.name.rsplit("-", 1)[0]
         for stale in out.parent.glob(f"{family}-*.pt2"):
@@ -146,17 +148,55 @@ def build(model: str | None, dtype: torch.dtype, out: Path) -> Path:
     return out
 
 
+def _export_lone(hf_model, dtype: torch.dtype):
+    from torch.export import Dim
+
+    from engine.worker.models.decode_step import DecodeStep
+
+    step = DecodeStep(hf_model, dtype, matmuls_as_sums=_matmuls_as_sums(dtype)).eval()
+    layers, kv_heads, dim = len(step.layers), step.num_kv_heads, step.head_dim
+    example = (torch.zeros(1, dtype=torch.int64), torch.ones(1, dim, dtype=dtype), torch.zeros(1, dim, dtype=dtype),
+               torch.zeros(layers, 2, kv_heads, 2 * CAPACITY_STEP, dim, dtype=dtype), torch.tensor(1))
+    capacity = Dim("capacity", min=2, max=MAX_CONTEXT + CAPACITY_STEP)
+    with torch.no_grad():
+        return torch.export.export(step, example, dynamic_shapes=(None, None, None, {3: capacity}, None))
+
+
+def _export_batch(hf_model, dtype: torch.dtype):
+    from torch.export import Dim
+
+    from engine.worker.models.batch_decode_step import BatchDecodeStep
+
+    step = BatchDecodeStep(hf_model, dtype).eval()
+    layers, kv_heads, dim, bs = len(step.layers), step.num_kv_heads, step.head_dim, BATCH_BLOCK_SIZE
+    rows, shared, own = 4, 3, 5  # any sizes: all three are dynamic
+    example = (torch.zeros(rows, dtype=torch.int64), torch.ones(rows, dim, dtype=dtype),
+               torch.zeros(rows, dim, dtype=dtype), torch.zeros(64, layers, 2, kv_heads, bs, dim, dtype=dtype),
+               torch.zeros(shared, dtype=torch.int64), torch.zeros(shared * bs),
+               torch.zeros(rows, own, dtype=torch.int64), torch.zeros(rows, own * bs))
+    batch, blocks = Dim("batch", min=2, max=MAX_BATCH), Dim("blocks", min=2)
+    shared_blocks, own_blocks = Dim("shared", min=1, max=MAX_CONTEXT), Dim("own", min=1, max=MAX_CONTEXT)
+    dynamic = ({0: batch}, {0: batch}, {0: batch}, {0: blocks}, {0: shared_blocks}, {0: shared_blocks * bs},
+               {0: batch, 1: own_blocks}, {0: batch, 1: own_blocks * bs})
+    with torch.no_grad():
+        return torch.export.export(step, example, dynamic_shapes=dynamic)
+
+
 class CompiledDecode:
-    """The compiled step for one engine: built or loaded in the background, then `decode`s a lone
+    """The compiled steps for one engine, built or loaded in the background. `decode` runs a lone
     sequence's steps, keeping that sequence's K/V of every layer in one buffer from step to step
-    (the paged cache gets each new token too, for the batches to come)."""
+    (the paged cache gets each new token too, for the batches to come); `decode_batch` runs a
+    batch of decodes on the paged cache."""
 
     def __init__(self, model: str | None, dtype: torch.dtype, decoder: LlamaModel) -> None:
         self.model, self.dtype, self.decoder = model, dtype, decoder
         self.path: Path | None = None  # found in the background (inductor's ISA check compiles a probe)
-        self.error: str | None = None
+        self.batch_path: Path | None = None
+        self.error: str | None = None  # why a step is unavailable (the other may still be ready)
         self._ready = threading.Event()
+        self._batch_ready = threading.Event()
         self._run = None
+        self._batch_run = None
         self._buffer: torch.Tensor | None = None  # [layers, 2, kv_heads, capacity, head_dim]
         self._blocks: list[int] = []
         self._filled = 0
@@ -164,7 +204,12 @@ class CompiledDecode:
 
     @property
     def ready(self) -> bool:
+        """The lone-chat step is loaded."""
         return self._ready.is_set()
+
+    @property
+    def batch_ready(self) -> bool:
+        return self._batch_ready.is_set()
 
     @property
     def started(self) -> bool:
@@ -179,32 +224,44 @@ class CompiledDecode:
         return self
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Start if not started, then block until the graph is ready (True) or failed or `timeout`
-        passed (False)."""
+        """Start if not started, then block until both steps are ready (True) or either failed or
+        `timeout` passed (False)."""
         self.start()._thread.join(timeout)
-        return self.ready
+        return self.ready and self.batch_ready
 
     def _prepare(self) -> None:
         with contextlib.suppress(OSError):  # this thread only: the serving thread keeps its priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        try:
-            if self.path is None:
-                self.path = package_path(self.model, self.dtype)
-            if not self.path.exists():
-                _check_compiler()
-                self._build_in_subprocess()
-            self._run = torch._inductor.aoti_load_package(str(self.path))
-            self._ready.set()
-            log.info("compiled decode step ready (%s)", self.path.name)
-        except Exception as error:  # the eager path goes on serving
-            self.error = f"{type(error).__name__}: {error}"
-            log.warning("compiled decode step unavailable, decoding eagerly: %s", self.error)
+        # The lone step first: a single user, the common case on a quiet server, waits on it.
+        for kind in KINDS:
+            try:
+                path = self.path if kind == "lone" else self.batch_path
+                if path is None:
+                    path = package_path(self.model, self.dtype, kind)
+                    if kind == "lone":
+                        self.path = path
+                    else:
+                        self.batch_path = path
+                if not path.exists():
+                    _check_compiler()
+                    self._build_in_subprocess(path, kind)
+                run = torch._inductor.aoti_load_package(str(path))
+                if kind == "lone":
+                    self._run = run
+                    self._ready.set()
+                else:
+                    self._batch_run = run
+                    self._batch_ready.set()
+                log.info("compiled %s decode step ready (%s)", kind, path.name)
+            except Exception as error:  # the eager path goes on serving
+                self.error = f"{kind} step: {type(error).__name__}: {error}"
+                log.warning("compiled %s decode step unavailable, decoding eagerly: %s", kind, self.error)
 
-    def _build_in_subprocess(self) -> None:
-        log.info("building the compiled decode step (once per machine): %s", self.path.name)
+    def _build_in_subprocess(self, path: Path, kind: str) -> None:
+        log.info("building the compiled %s decode step (once per machine): %s", kind, path.name)
         root = Path(__file__).resolve().parents[2]
         command = [sys.executable, "-m", "engine.worker.compiled_decode", "--background", "--dtype",
-                   str(self.dtype).removeprefix("torch."), "--out", str(self.path)]
+                   str(self.dtype).removeprefix("torch."), "--kind", kind, "--out", str(path)]
         if self.model:
             command += ["--model", self.model]
         try:
@@ -243,6 +300,32 @@ class CompiledDecode:
         self._blocks, self._filled = list(blocks), max(self._filled, length)
         return logits, best
 
+    def decode_batch(self, tokens: list[int], tables: list[list[int]], lengths: list[int], kv_cache: torch.Tensor,
+                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of each sequence: its `tokens[i]` is the last of `lengths[i]` tokens
+        held in blocks `tables[i]` of the paged cache. Returns fp32 logits `[rows, vocab]` and
+        their argmax `[rows]`; stores each new token's K/V in the cache."""
+        past = [n - 1 for n in lengths]
+        # The leading blocks every sequence shares, before all of their new tokens: read once.
+        common, limit, first = 0, min(past) // block_size, tables[0]
+        while common < limit and all(table[common] == first[common] for table in tables):
+            common += 1
+        if common:
+            shared, shared_bias = torch.tensor(first[:common]), torch.zeros(common * block_size)
+        else:  # nothing shared: one block no key of which counts
+            shared, shared_bias = torch.zeros(1, dtype=torch.int64), torch.full((block_size,), float("-inf"))
+        width = max(1, max(-(-p // block_size) for p in past) - common)
+        own = torch.tensor([(table[common:common + width] + [0] * width)[:width] for table in tables])
+        keys = common * block_size + torch.arange(width * block_size)
+        own_bias = torch.where(keys[None, :] < torch.tensor(past)[:, None], 0.0, float("-inf"))
+        cos_sin = self.decoder.rope_table[torch.tensor(past)]
+        logits, new_kv, best = self._batch_run(torch.tensor(tokens), cos_sin[:, 0].contiguous(),
+                                               cos_sin[:, 1].contiguous(), kv_cache, shared, shared_bias, own,
+                                               own_bias)
+        blocks = torch.tensor([table[p // block_size] for table, p in zip(tables, past)])
+        kv_cache[blocks, :, :, :, torch.tensor(past) % block_size] = new_kv
+        return logits, best
+
     def _call(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         # The graph's bf16 matmuls go through torch's dispatch, which picks oneDNN's unpacked
         # (slow) kernel while oneDNN is on. The switch is process-wide: a torch op on another
@@ -273,20 +356,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Build the compiled lone-chat decode step for a model and dtype.")
     parser.add_argument("--model", default=None, help="folder or hub id (default: $MODEL, else the embedded model)")
     parser.add_argument("--dtype", choices=[str(d).removeprefix("torch.") for d in DTYPES], default="float32")
+    parser.add_argument("--kind", choices=KINDS, default="lone", help="a lone chat's step or a batch's")
     parser.add_argument("--out", default=None, help="package path (default: this machine's cache entry)")
     parser.add_argument("--background", action="store_true", help="at a low priority (beside a serving engine)")
     args = parser.parse_args()
     if args.background:
         os.nice(10)
     dtype = getattr(torch, args.dtype)
-    out = Path(args.out) if args.out else package_path(args.model, dtype)
+    out = Path(args.out) if args.out else package_path(args.model, dtype, args.kind)
     if out.exists() and not args.out:
         print(f"already built: {out}")
         return
     with tempfile.TemporaryDirectory(prefix="pagedchat-inductor-") as scratch:
         # inductor's own cache of the build (hundreds of MB) goes with the scratch folder
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch
-        print(f"built: {build(args.model, dtype, out)}")
+        print(f"built: {build(args.model, dtype, out, args.kind)}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch
 
 import kernels
 from engine.core.scheduler_output import SchedulerOutput
-from engine.worker.compiled_decode import MAX_CONTEXT, CompiledDecode
+from engine.worker.compiled_decode import BATCH_BLOCK_SIZE, MAX_BATCH, MAX_CONTEXT, CompiledDecode
 from engine.worker.decode_graphs import DecodeGraphs
 from engine.worker.models.llama import AttentionMetadata, LlamaModel
 from engine.worker.sampler import SamplingRow, make_generator, sample
@@ -23,7 +23,7 @@ class ModelRunner:
                  compiled: CompiledDecode | None = None) -> None:
         """`decode_graph_batch` > 0: decode batches up to that size run through DecodeGraphs
         (captured CUDA graphs on a GPU; the same padded path, eagerly, elsewhere). `compiled`: a
-        lone sequence's decode steps run through it once it is ready."""
+        lone sequence's decode steps, and batches of decodes, run through it once it is ready."""
         self.model = model
         self.device = model.device
         self.block_size = block_size
@@ -82,6 +82,16 @@ class ModelRunner:
             logits, known_argmax = self.compiled.decode(input_ids[0], positions[0], table_rows[0], k_lens[0],
                                                         self.kv_cache, bs)
             self._last_plan = None  # the eager path's kept K/V did not see this token
+        elif (len(input_ids) == len(table_rows) and self.compiled is not None and self.compiled.batch_ready
+              and 1 < len(table_rows) <= MAX_BATCH and bs == BATCH_BLOCK_SIZE and max(k_lens) <= MAX_CONTEXT):
+            # A batch of decodes (one new token per sequence), as one compiled call.
+            self.compiled.forget()  # the lone step's kept K/V did not see these tokens
+            self._last_plan = None
+            logits, best = self.compiled.decode_batch(input_ids, table_rows, k_lens, self.kv_cache, bs)
+            if len(sample_rows) < len(table_rows):  # a one-token prompt chunk that does not sample
+                rows = torch.tensor(sample_rows, dtype=torch.int64)
+                logits, best = logits[rows], best[rows]
+            known_argmax = best
         else:
             if self.compiled is not None:
                 self.compiled.forget()  # this step may write blocks a later lone step would find unchanged

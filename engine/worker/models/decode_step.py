@@ -25,14 +25,12 @@ def _frozen(t: torch.Tensor | None) -> torch.nn.Parameter | None:
     return None if t is None else torch.nn.Parameter(t, requires_grad=False)
 
 
-class DecodeStep(torch.nn.Module):
-    def __init__(self, hf_model, dtype: torch.dtype, matmuls_as_sums: bool = False) -> None:
-        """`matmuls_as_sums` (fp32 only): each weight matmul written as a product and a sum over
-        the input features, which the compiler turns into its own matrix-vector loop, instead
-        of a `linear` it hands to a library (in bf16, freezing would store the weights converted
-        to fp32, twice the bytes to stream)."""
+class FrozenDecoder(torch.nn.Module):
+    """The decoder's weights as frozen parameters (what the compiler folds into its graph as
+    constants) and the decoder's RMSNorm; the decode graphs below are written on it."""
+
+    def __init__(self, hf_model, dtype: torch.dtype) -> None:
         super().__init__()
-        self.matmuls_as_sums = matmuls_as_sums
         config = hf_model.config
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -47,17 +45,27 @@ class DecodeStep(torch.nn.Module):
                 setattr(layer, name, _frozen(getattr(w, name)))
             self.layers.append(layer)
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * weight.float()).to(x.dtype)
+
+
+class DecodeStep(FrozenDecoder):
+    def __init__(self, hf_model, dtype: torch.dtype, matmuls_as_sums: bool = False) -> None:
+        """`matmuls_as_sums` (fp32 only): each weight matmul written as a product and a sum over
+        the input features, which the compiler turns into its own matrix-vector loop, instead
+        of a `linear` it hands to a library (in bf16, freezing would store the weights converted
+        to fp32, twice the bytes to stream)."""
+        super().__init__(hf_model, dtype)
+        self.matmuls_as_sums = matmuls_as_sums
+
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.matmuls_as_sums:
             return F.linear(x, weight, bias)
         y = (x[..., None, :] * weight).sum(-1)
         return y if bias is None else y + bias
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * weight.float()).to(x.dtype)
 
     def forward(self, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
                 length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,7 +82,7 @@ class DecodeStep(torch.nn.Module):
         hidden = F.embedding(token, self.embed)
         new_kv = []
         for index, layer in enumerate(self.layers):
-            qkv = self._linear(self._rms_norm(hidden, layer.input_norm), layer.qkv, layer.qkv_bias)
+            qkv = self._linear(self.rms_norm(hidden, layer.input_norm), layer.qkv, layer.qkv_bias)
             qk = qkv[:, :(heads + kv_heads) * dim].view(heads + kv_heads, dim)
             qk = qk * cos + torch.cat([-qk[:, half:], qk[:, :half]], -1) * sin
             q = qk[:heads].view(kv_heads, group, dim).float()
@@ -89,8 +97,8 @@ class DecodeStep(torch.nn.Module):
             probs = torch.softmax(torch.cat([scores, own], -1), -1)
             attn = (probs[..., :capacity, None] * values).sum(-2) + probs[..., capacity:] * v.float()
             hidden = hidden + self._linear(attn.to(self.dtype).reshape(1, heads * dim), layer.o_proj)
-            gate, up = self._linear(self._rms_norm(hidden, layer.post_norm), layer.gate_up).chunk(2, -1)
+            gate, up = self._linear(self.rms_norm(hidden, layer.post_norm), layer.gate_up).chunk(2, -1)
             hidden = hidden + self._linear(F.silu(gate) * up, layer.down)
             new_kv.append(torch.cat([k, v]))
-        logits = self._linear(self._rms_norm(hidden, self.norm), self.lm_head).float()
+        logits = self._linear(self.rms_norm(hidden, self.norm), self.lm_head).float()
         return logits, torch.stack(new_kv).view(len(self.layers), 2, kv_heads, dim), logits.argmax(-1)
