@@ -219,31 +219,24 @@ def test_forward_ab_variant_runs_the_compiled_step(tiny_compiled, tiny_model_dir
         assert compiled["same_greedy"] and compiled["max_abs_diff"] < 1e-4
 
 
-def test_bf16_step_runs_with_onednn_off_and_matches_eager(packages, tiny_model_dir, monkeypatch):
-    """bf16: the graph's matmuls are torch's own matrix-vector kernel, which torch picks only
-    with oneDNN switched off, so the step switches it off for its call alone and back on after,
-    failed or not. Its logits on a captured step match the eager forward's up to bf16 rounding."""
+def test_bf16_step_matches_eager(packages, tiny_model_dir, monkeypatch):
+    """bf16: the compiled lone step (its weight matmuls loops of its own over `MatVec` blocks,
+    summed in fp32) gives the eager forward's greedy token and its logits up to bf16 rounding on
+    a captured step."""
     compiled = run_forward_ab(tiny_model_dir, "bfloat16", monkeypatch)
     # bf16 keeps 8 significant bits: this model's logits (tens) round to steps of 0.125 or 0.25.
     assert compiled["same_greedy"] and compiled["max_abs_diff"] <= 0.5
 
-    llm = LLM(tiny_model_dir, dtype="bfloat16", num_gpu_blocks=16, compile_decode=False)
-    step = CompiledDecode(tiny_model_dir, torch.bfloat16, llm.engine.model)
-    assert step.wait(BUILD_TIMEOUT_S), step.error  # the package forward_ab.py built
-    run, seen = step._run, []
 
-    def spy(*inputs):
-        seen.append(torch.backends.mkldnn.enabled)
-        return run(*inputs)
+@pytest.mark.parametrize("rows, bias", [(64, False), (70, True), (5, True)])
+def test_matvec_blocks_multiply_like_linear(rows, bias):
+    """`MatVec` keeps a weight in blocks of one cache line of output features (16 in fp32),
+    padding the last block: one row times it is `linear`'s result, whatever the row count."""
+    from engine.worker.models.decode_step import MatVec
 
-    def fail(*inputs):
-        raise RuntimeError("the step failed")
-
-    cache, bs = llm.engine.runner.kv_cache, llm.engine.runner.block_size
-    step._run = spy
-    logits, _ = step.decode(11, 3, [0], 4, cache, bs)
-    assert seen == [False] and torch.backends.mkldnn.enabled and torch.isfinite(logits).all()
-    step._run = fail
-    with pytest.raises(RuntimeError, match="the step failed"):
-        step.decode(12, 4, [0], 5, cache, bs)
-    assert torch.backends.mkldnn.enabled
+    torch.manual_seed(0)
+    weight, b = torch.randn(rows, 48), torch.randn(rows) if bias else None
+    x = torch.randn(1, 48)
+    layer = MatVec(weight, b)
+    assert layer.blocks.shape == (-(-rows // 16), 48, 16)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)

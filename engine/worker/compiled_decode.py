@@ -5,9 +5,10 @@ What a single user waits for on a CPU is one sequence's decode step, and eager t
 third of it between the weight matmuls: ~900 small ops a step for a 30-layer model, each a few
 microseconds of dispatch. `DecodeStep` (engine/worker/models/decode_step.py) compiled ahead of
 time by AOTInductor runs the whole step as one C++ call: the small ops fused into loops, the
-matmuls as the fastest one-row kernel at hand (`_matmuls_as_sums`). SmolLM2-135M on a 2-core
-AMD EPYC, the same captured step timed in one process (benchmarks/forward_ab.py): bf16 7.9 vs
-11.5 ms, fp32 15.0 vs 19.3 (the host in its slower mode). A batch of decodes (every sequence adding
+weight matmuls as loops over weights laid out for one row times them (`MatVec`), no library call
+left. SmolLM2-135M on a 2-core AMD EPYC, the same captured step in one process: bf16 ~6 ms
+(0.74-0.79 of the step with torch's matrix-vector kernel), fp32 0.78-0.90 of the step with
+inductor's row-by-row loops. A batch of decodes (every sequence adding
 one token, the steady state of a busy server) runs `BatchDecodeStep`
 (engine/worker/models/batch_decode_step.py) the same way, reading past K/V from the paged cache:
 a 32-chat bf16 step in 0.86-0.91 of the eager step's time, fp32 0.98.
@@ -109,30 +110,24 @@ def packages_folder() -> Path:
     return Path(os.environ.get("PAGEDCHAT_COMPILED_DIR") or cache_dir() / "compiled")
 
 
-def _matmuls_as_sums(dtype: torch.dtype) -> bool:
-    """How the step's weight matmuls run, one row times a weight matrix, which streams the weights
-    once: whichever of the kernels at hand streams them fastest. bf16: torch's own
-    matrix-vector kernel (fp32 accumulation, one rounding), reached through `linear` with oneDNN
-    switched off (`CompiledDecode._call`). fp32: inductor's loops over the product and sum
-    (`DecodeStep`'s `matmuls_as_sums`), since torch's fp32 kernel there is MKL's, at half
-    oneDNN's speed on AMD. Either beats oneDNN's packed one-row kernel: on the 2-core EPYC
-    above, the whole step 7.8 vs 9.2 ms (bf16) and 13.5 vs 15.0 ms (fp32)."""
-    return dtype == torch.float32
-
-
 def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") -> Path:
     """Export and compile the `kind` step for `model` in `dtype` into the package `out` (written
     whole, then renamed into place: a reader never sees half a package)."""
     hf_model, _ = load_hf_model(model, dtype)
     program = _export_batch(hf_model, dtype) if kind == "batch" else _export_lone(hf_model, dtype)
     del hf_model
-    # Frozen weights are constants the compiler folds into the graph (a batch's matmuls take
-    # them packed for oneDNN; a lone row's run faster unpacked, see `_matmuls_as_sums`).
-    # Reassociation and fused multiply-adds let the C++ compiler split a loop's running sum
-    # over several registers (infinities and NaNs keep their meaning): the fp32 lone step 5-10%
-    # faster, within 1e-3 of the logits.
+    # Frozen weights are constants the compiler folds into the graph: a batch's matmuls take
+    # them packed for oneDNN; a lone row's are loops over blocks laid out for them (`MatVec` in
+    # engine/worker/models/decode_step.py). Reassociation and fused multiply-adds let the C++
+    # compiler split a loop's running sum over several registers (infinities and NaNs keep
+    # their meaning). In the lone step, an input read by two loops (the q and k/v projections'
+    # normalized input, the rotated query) is computed once into a buffer, not in each of them
+    # (`realize_reads_threshold`): a normalized input recomputed for every block of weights
+    # made the bf16 step 1.2x slower.
     configs = {"freezing": True, "cpp.enable_unsafe_math_opt_flag": True,
                "cpp.enable_floating_point_contract_flag": "fast", "cpp.weight_prepack": kind == "batch"}
+    if kind == "lone":
+        configs["realize_reads_threshold"] = 1
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
     with torch.no_grad():
@@ -153,7 +148,7 @@ def _export_lone(hf_model, dtype: torch.dtype):
 
     from engine.worker.models.decode_step import DecodeStep
 
-    step = DecodeStep(hf_model, dtype, matmuls_as_sums=_matmuls_as_sums(dtype)).eval()
+    step = DecodeStep(hf_model, dtype).eval()
     layers, kv_heads, dim = len(step.layers), step.num_kv_heads, step.head_dim
     example = (torch.zeros(1, dtype=torch.int64), torch.ones(1, dim, dtype=dtype), torch.zeros(1, dim, dtype=dtype),
                torch.zeros(layers, 2, kv_heads, 2 * CAPACITY_STEP, dim, dtype=dtype), torch.tensor(1))
@@ -286,8 +281,8 @@ class CompiledDecode:
             grown[:, :, :, :past].copy_(self._buffer[:, :, :, :past])
             self._buffer = grown
         cos_sin = self.decoder.rope_table[position]
-        logits, new_kv, best = self._call(torch.tensor([token]), cos_sin[0:1], cos_sin[1:2], self._buffer,
-                                    torch.tensor(past))
+        logits, new_kv, best = self._run(torch.tensor([token]), cos_sin[0:1], cos_sin[1:2], self._buffer,
+                                         torch.tensor(past))
         self._buffer[:, :, :, past].copy_(new_kv)
         kv_cache[blocks[past // block_size], :, :, :, past % block_size].copy_(new_kv)
         self._blocks, self._filled = list(blocks), max(self._filled, length)
@@ -318,17 +313,6 @@ class CompiledDecode:
         blocks = torch.tensor([table[p // block_size] for table, p in zip(tables, past)])
         kv_cache[blocks, :, :, :, torch.tensor(past) % block_size] = new_kv
         return logits, best
-
-    def _call(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
-        # The graph's bf16 matmuls go through torch's dispatch, which picks oneDNN's unpacked
-        # (slow) kernel while oneDNN is on. The switch is process-wide: a torch op on another
-        # thread meanwhile takes its path without oneDNN, slower, never wrong.
-        was = torch.backends.mkldnn.enabled
-        torch.backends.mkldnn.enabled = False
-        try:
-            return self._run(*inputs)
-        finally:
-            torch.backends.mkldnn.enabled = was
 
     @staticmethod
     def _capacity(length: int) -> int:
