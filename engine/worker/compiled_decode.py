@@ -7,7 +7,7 @@ microseconds of dispatch. `DecodeStep` (engine/worker/models/decode_step.py) com
 time by AOTInductor runs the whole step as one C++ call: the small ops fused into loops, the
 weight matmuls as loops over weights laid out for one row times them (`MatVec`), no library call
 left. SmolLM2-135M on a 2-core AMD EPYC, the same captured step in one process: bf16 ~6 ms
-(0.74-0.79 of the step with torch's matrix-vector kernel), fp32 0.78-0.90 of the step with
+(0.83-0.87 of the step with torch's matrix-vector kernel), fp32 0.76-0.92 of the step with
 inductor's row-by-row loops. A batch of decodes (every sequence adding
 one token, the steady state of a busy server) runs `BatchDecodeStep`
 (engine/worker/models/batch_decode_step.py) the same way, reading past K/V from the paged cache:
