@@ -123,7 +123,7 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
     # their meaning). In the lone step, an input read by two loops (the q and k/v projections'
     # normalized input, the rotated query) is computed once into a buffer, not in each of them
     # (`realize_reads_threshold`): a normalized input recomputed for every block of weights
-    # made the bf16 step 1.2x slower.
+    # made the bf16 step ~1.1x slower.
     configs = {"freezing": True, "cpp.enable_unsafe_math_opt_flag": True,
                "cpp.enable_floating_point_contract_flag": "fast", "cpp.weight_prepack": kind == "batch"}
     if kind == "lone":

@@ -72,7 +72,7 @@ class MatVec(torch.nn.Module):
         self.bias, self.rows = _frozen(bias), rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[1, in]` → `[1, out]`, accumulated in fp32, rounded once to x's dtype."""
+        """x `[1, in]` → `[1, out]`; compiled, accumulated in fp32 and rounded once to x's dtype."""
         y = (x.view(-1, 1) * self.blocks).sum(1).view(1, -1)[:, :self.rows]
         return y if self.bias is None else y + self.bias
 
