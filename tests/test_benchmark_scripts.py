@@ -117,15 +117,57 @@ def test_soak_script_short(tiny_model_dir):
     assert figures["page_loads"] > 0 and figures["page_load_p99_s"] is not None
 
 
-def test_serve_script_short(tiny_model_dir):
-    """The HTTP load generator against a real `python -m engine.serve` it starts: Poisson arrivals,
-    shared system prompts and follow-up turns, streamed through the OpenAI API."""
-    figures = last_json_line(["benchmarks/serve.py", "--model", tiny_model_dir, "--num-gpu-blocks", "128",
-                              "--rates", "4", "--duration-s", "4", "--max-tokens", "8"])
-    [row] = figures["rates"]
+RATE_FIELDS = {"rate", "sent", "follow_ups", "completed", "failed", "errors", "wall_s", "req_per_s", "output_tok_s",
+               "output_tokens_from", "ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "good", "goodput_req_s",
+               "good_share", "client_cpu_s", "client_cpu_share", "cached_share"}
+
+
+def check_rate_row(row):
+    """A rate's figures: every request answered, and goodput consistent with the counts."""
+    assert set(row) == RATE_FIELDS, set(row) ^ RATE_FIELDS
     assert row["sent"] > 0 and row["completed"] == row["sent"] and row["failed"] == 0, row
     assert row["output_tok_s"] > 0 and row["ttft_p50_s"] > 0 and row["itl_p50_ms"] is not None
-    assert row["cached_share"] > 0  # the shared system prompts come from the prefix cache
+    assert 0 <= row["good"] <= row["completed"]
+    assert row["good_share"] == round(row["good"] / row["sent"], 3)
+    # goodput and completed/s share the wall time: their ratio is good / completed
+    assert row["goodput_req_s"] <= row["req_per_s"]
+    assert abs(row["goodput_req_s"] * row["completed"] - row["req_per_s"] * row["good"]) < 0.01 * row["completed"]
+    assert 0 < row["client_cpu_s"] < row["wall_s"]  # the client's own CPU, a small share of the run
+    assert row["cached_share"] > 0  # the shared preset prompts come from the prefix cache
+
+
+def test_serve_script_short(tiny_model_dir):
+    """The HTTP load generator against a real `python -m engine.serve` it starts: Poisson arrivals,
+    shared system prompts and follow-up turns, streamed through the OpenAI API by its own small
+    HTTP client; then one chat alone."""
+    figures = last_json_line(["benchmarks/serve.py", "--model", tiny_model_dir, "--num-gpu-blocks", "128",
+                              "--rates", "4", "--duration-s", "4", "--max-tokens", "8", "--one-chat-tokens", "24"])
+    assert figures["protocol"] == "openai" and figures["ttft_slo_s"] == 1.0 and figures["itl_slo_ms"] == 200.0
+    [row] = figures["rates"]
+    check_rate_row(row)
+    assert row["output_tokens_from"] == "usage"
+    alone = figures["one_chat"]  # EOS ignored: all 24 tokens
+    assert alone["ok"] and alone["tokens"] == 24 and alone["tok_s"] > 0 and alone["output_tokens_from"] == "usage"
+
+
+def test_serve_script_gradio_protocol(tiny_model_dir, tmp_path):
+    """The same trace through the chat page's `send` event on Gradio's queue (the app served in
+    this process): every reply arrives, follow-up turns land in their own conversation, and the
+    output tokens are counted by re-tokenizing the replies."""
+    from served_app import served_chat
+
+    with served_chat(tiny_model_dir, tmp_path / "chats.db", num_gpu_blocks=128, num_cpu_blocks=64) as (_, store, url):
+        figures = last_json_line(["benchmarks/serve.py", "--protocol", "gradio", "--page-url", url, "--rates", "4",
+                                  "--duration-s", "4", "--max-tokens", "8", "--one-chat-tokens", "16"])
+        conversations = store.db.execute("select count(*) from conversations").fetchone()[0]
+        asked = store.db.execute("select count(*) from messages where role = 'user'").fetchone()[0]
+    [row] = figures["rates"]
+    check_rate_row(row)
+    assert row["output_tokens_from"] == "retokenized"
+    # One stored question per request (and the chat alone's); a follow-up adds none of its own chats.
+    assert asked == row["sent"] + 1 and conversations == row["sent"] - row["follow_ups"] + 1
+    alone = figures["one_chat"]
+    assert alone["ok"] and alone["tokens"] > 0 and alone["chunks"] >= 1
 
 
 def test_peer_comparison_script_runs_the_engine_and_reports_peers_not_set_up(tmp_path):
