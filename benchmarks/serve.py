@@ -359,7 +359,9 @@ async def api_request(target: Target, chat: Chat, max_tokens: int, ignore_eos: b
                         result.saw_text(now, started)
                         text.append(piece)
         result.text = "".join(text)
-        result.ok = result.ttft_s is not None and result.error is None
+        if result.ttft_s is None and result.error is None:
+            result.error = "no reply text"
+        result.ok = result.error is None
     except (OSError, HTTPError, ValueError, asyncio.IncompleteReadError, TimeoutError) as error:
         result.error = type(error).__name__
     finally:
@@ -462,7 +464,9 @@ async def page_request(target: Target, chat: Chat, max_tokens: int, timeout_s: f
                         result.text = text
                     if cached := PAGE_CACHED.search(reply):
                         result.cached_tokens, result.prompt_tokens = int(cached.group(1)), int(cached.group(2))
-                    result.ok = result.error is None and result.ttft_s is not None
+                    if result.ttft_s is None and result.error is None:
+                        result.error = "no reply text"
+                    result.ok = result.error is None
                     break
             else:
                 result.error = result.error or "the event stream ended before process_completed"
@@ -538,6 +542,7 @@ def one_chat(target: Target, max_tokens: int = 300, seed: int = 0, timeout_s: fl
     tokens_from = target.count_tokens([result])
     span = (result.last_at or 0) - (result.first_at or 0)
     return {"ok": True, "tokens": result.output_tokens, "output_tokens_from": tokens_from, "chunks": result.chunks,
+            "eos_ignored": target.protocol == "openai",
             "ttft_s": round(result.ttft_s, 3), "tok_s": round((result.output_tokens - 1) / span, 1) if span > 0 else None,
             "itl_p50_ms": ms(pct(result.gaps_s, 0.5)), "itl_p99_ms": ms(pct(result.gaps_s, 0.99))}
 

@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,8 +178,13 @@ class Running:
 def compiled_pending(root: str) -> float:
     """`pagedchat:compiled_decode_pending` from /metrics (1 while our compiled decode steps are
     built or loaded in the background); 0 where the server has no such gauge."""
-    with urllib.request.urlopen(root + "metrics", timeout=10) as response:
-        text = response.read().decode()
+    try:
+        with urllib.request.urlopen(root + "metrics", timeout=10) as response:
+            text = response.read().decode()
+    except urllib.error.HTTPError as error:
+        if error.code == 404:  # no /metrics at all
+            return 0.0
+        raise
     for line in text.splitlines():
         if line.startswith("pagedchat:compiled_decode_pending"):
             return float(line.rsplit(" ", 1)[1])
@@ -231,7 +237,10 @@ def start(running: Running, report: dict, args: argparse.Namespace) -> serve.Tar
             serve.warm(target, 1)
     except (RuntimeError, OSError, ValueError, KeyError, StopIteration) as error:
         raise Missing(f"did not come up: {error}; log {running.log_path}: {running.log_tail(600)}") from None
-    compiled = f", compiled steps ready {report['compiled_wait_s']} s later" if "compiled_wait_s" in report else ""
+    compiled = ""
+    if "compiled_wait_s" in report:
+        compiled = (f", compiled steps {'still pending' if report.get('note') else 'ready'} "
+                    f"{report['compiled_wait_s']} s later")
     print(f"{server.name}: up in {report['startup_s']} s{compiled}", flush=True)
     return target
 
