@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREEMPTION_MODES = ("swap", "recompute", "auto")
+# The engine's step-time target unless told otherwise: a streaming reply's tokens come at most
+# about this far apart while another chat's prompt is computed (see engine/core/step_cost.py).
+DEFAULT_MAX_STEP_MS = 100.0
 
 
 @dataclass
@@ -23,6 +26,11 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "auto"
     watermark: float = 0.01             # share of device blocks kept free when admitting work
+    # Stall-free batching: a step's prompt tokens are limited to what the step's decodes leave
+    # of this many milliseconds (engine/core/step_cost.py); None: the token budget alone.
+    max_step_ms: float | None = None
+    min_prompt_chunk: int = 16          # prompt tokens a step may always compute, so prompts progress
+    first_prompt_chunk: int = 128       # a step's prompt tokens before the step-cost model has data
 
     def __post_init__(self) -> None:
         for name in ("num_device_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -35,6 +43,11 @@ class SchedulerConfig:
             raise ValueError(f"block_size must be a power of two (the kernels tile by it), got {self.block_size}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.max_step_ms is not None and not self.max_step_ms > 0:
+            raise ValueError(f"max_step_ms must be positive (or None for no step-time target), got {self.max_step_ms!r}")
+        for name in ("min_prompt_chunk", "first_prompt_chunk"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         capacity = self.num_device_blocks * self.block_size

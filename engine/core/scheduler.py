@@ -16,6 +16,13 @@ Each step spends a token budget (`max_num_batched_tokens`) in this order:
    with a chunk. A request whose next block is still being computed for another request waits
    for it (one step, usually) rather than computing it again.
 
+With a step-time target (`max_step_ms`), prompt tokens get only the time the step's decodes
+leave under it, as the step-cost model (engine/core/step_cost.py, fitted online to this engine's
+own steps) predicts: a long prompt is computed in chunks across steps, while every streaming
+chat keeps its pace, instead of one step that stalls them all (Sarathi-Serve's stall-free
+batching). So that prompts always progress, a step may compute `min_prompt_chunk` prompt tokens
+even when its decodes alone take the whole target.
+
 Preemption is by swap (the victim's blocks are copied to the host pool; it resumes from
 there) or by recompute (its blocks are freed, it goes back to the front of the waiting queue,
 and re-admission recomputes what the prefix cache no longer holds). `auto` chooses per victim:
@@ -42,10 +49,20 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.core.stats import SchedulerStats, snapshot_stats
+from engine.core.step_cost import StepCostModel, StepShape, keys_read
 
 
 class PromptTooLongError(ValueError):
     pass
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int, pool_tokens: int) -> None:
+    """Refuse a prompt that could never run: empty, or longer than `max_model_len`."""
+    if num_tokens == 0:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    if num_tokens > max_model_len:
+        raise PromptTooLongError(f"the prompt has {num_tokens} tokens, more than max_model_len={max_model_len} "
+                                 f"(the device KV pool holds {pool_tokens} tokens)")
 
 
 def _priority(request: Request) -> tuple[int, int]:
@@ -71,17 +88,15 @@ class Scheduler:
         self.last_stats: SchedulerStats = snapshot_stats(self, SchedulerOutput())
         self._finished_ids: list[str] = []
         self._mirrors: tuple[PoolMirror, PoolMirror] | None = None  # made on the first block map
+        self.step_cost = StepCostModel()
+        self._prompt_time: float | None = None  # this step's seconds left for prompt tokens (None: no target)
+        self._prompt_tokens = 0                 # prompt tokens scheduled in this step so far
 
     # ---- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request, or refuse it at once if it could never run."""
-        n, limit = request.num_prompt_tokens, self.config.max_model_len
-        if n == 0:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        if n > limit:
-            raise PromptTooLongError(
-                f"the prompt has {n} tokens, more than max_model_len={limit} "
-                f"(the device KV pool holds {self.config.num_device_blocks * self.config.block_size} tokens)")
+        limit = self.config.max_model_len
+        check_prompt_length(request.num_prompt_tokens, limit, self.config.num_device_blocks * self.config.block_size)
         if request.request_id in self.requests:
             raise ValueError(f"a request with id {request.request_id!r} is already running")
         request.status = RequestStatus.WAITING
@@ -120,12 +135,16 @@ class Scheduler:
         self._finished_ids = []
         budget = cfg.max_num_batched_tokens
         running = self.running
+        self._start_prompt_budget()
 
         # 1. Running requests.
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, len(request.all_token_ids) - request.num_computed_tokens, budget)
+            if num_new == 0:  # a prompt with no time left in this step: the decodes after it go on
+                i += 1
+                continue
             room = self._allocate_or_preempt(request, num_new, out)
             if room is None:
                 break  # it preempted itself, so every request after it was preempted already
@@ -141,8 +160,8 @@ class Scheduler:
         if not preempted:
             while self.swapped and budget > 0 and len(running) < cfg.max_num_seqs:
                 request = self.swapped[0]
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                if not self._fits(kv.num_blocks_to_swap_in(request, num_new)):
+                num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens, budget)
+                if num_new == 0 or not self._fits(kv.num_blocks_to_swap_in(request, num_new)):
                     break
                 self.swapped.pop(0)
                 out.blocks_to_swap_in += kv.swap_in(request)
@@ -161,8 +180,8 @@ class Scheduler:
                 if len(cached) < len(hashes) and hashes[len(cached)] in in_flight:
                     break  # its next block is being computed for another request: hit it next step
                 num_cached_tokens = len(cached) * cfg.block_size
-                num_new = min(request.num_tokens - num_cached_tokens, budget)
-                if not self._fits(kv.num_blocks_to_admit(request, cached, num_new)):
+                num_new = self._chunk(request, request.num_tokens - num_cached_tokens, budget, num_cached_tokens)
+                if num_new == 0 or not self._fits(kv.num_blocks_to_admit(request, cached, num_new)):
                     break
                 self.waiting.popleft()
                 kv.record_lookup(request, num_cached_tokens)
@@ -209,6 +228,54 @@ class Scheduler:
         self.total_blocks_swapped_in += len(out.blocks_to_swap_in)
         self.last_stats = snapshot_stats(self, out)  # the state after the step
         return finished
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Teach the step-cost model how long the step that `out` scheduled took."""
+        if self.config.max_step_ms is None or not out.num_prefill_tokens:
+            return
+        decodes = keys = 0
+        for item in out.scheduled:
+            keys += keys_read(item.start, item.num_new_tokens)
+            decodes += item.num_new_tokens == 1
+        self.step_cost.observe(StepShape(decodes, out.num_prefill_tokens, keys), seconds)
+
+    # ---- the step-time target ------------------------------------------------------------
+    def _start_prompt_budget(self) -> None:
+        """The time this step leaves for prompt tokens: the target less what its decodes (every
+        running request with one token to compute) are predicted to take."""
+        self._prompt_tokens = 0
+        target = self.config.max_step_ms
+        if target is None or not self.step_cost.ready:
+            self._prompt_time = None
+            return
+        decodes = keys = 0
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens == 1:
+                decodes += 1
+                keys += request.num_tokens
+        self._prompt_time = target / 1000 - self.step_cost.predict(StepShape(decodes, 0, keys))
+
+    def _chunk(self, request: Request, remaining: int, budget: int, start: int | None = None) -> int:
+        """How many of a request's `remaining` tokens to compute this step, from position `start`
+        (default: its computed tokens). One token (a decode) always fits the step-time target; a
+        prompt gets what is left of it (at least `min_prompt_chunk` tokens per step in all)."""
+        num_new = min(remaining, budget)
+        cfg = self.config
+        if num_new <= 1 or cfg.max_step_ms is None:
+            return num_new
+        start = request.num_computed_tokens if start is None else start
+        if self._prompt_time is None:  # no fitted model yet: a fixed first chunk per step
+            allowed = cfg.first_prompt_chunk - self._prompt_tokens
+        else:
+            allowed = self.step_cost.prompt_tokens_within(self._prompt_time, start)
+            allowed = max(allowed, cfg.min_prompt_chunk - self._prompt_tokens)
+        num_new = max(min(num_new, allowed), 0)
+        if num_new:
+            self._prompt_tokens += num_new
+            if self._prompt_time is not None:
+                self._prompt_time -= self.step_cost.predict(StepShape(0, num_new, keys_read(start, num_new))) \
+                    - self.step_cost.predict(StepShape())
+        return num_new
 
     # ---- helpers ------------------------------------------------------------------------
     def _fits(self, num_blocks: int) -> bool:

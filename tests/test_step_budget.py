@@ -1,0 +1,134 @@
+"""Stall-free batching: with a step-time target, prompts get only the time the decodes leave,
+as the step-cost model learns it from the steps' own (here simulated) durations."""
+import random
+
+import pytest
+
+from engine.core.step_cost import StepCostModel, StepShape, keys_read
+from engine.devtools.invariants import check_invariants
+from engine.devtools.simulated_runner import run_step
+from simulation import expected, make, request
+
+# The simulated machine: a step's seconds from what it computes (a CPU-like shape: a prompt
+# token costs far more than a decode row's share of the weights, attention grows with context).
+BASE_S, DECODE_S, TOKEN_S, KEY_S = 0.004, 0.0015, 0.0006, 2e-7
+
+
+def simulated_seconds(out) -> float:
+    decodes = sum(item.num_new_tokens == 1 for item in out.scheduled)
+    keys = sum(keys_read(item.start, item.num_new_tokens) for item in out.scheduled)
+    return BASE_S + DECODE_S * decodes + TOKEN_S * out.num_prefill_tokens + KEY_S * keys
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 31 + i * 7) % 45 + 5 for i in range(length)]
+
+
+def drive(sched, runner, steps_out: list, max_steps: int = 20_000) -> dict:
+    done = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return done
+        before = set(sched.requests) if sched.step_cost.ready else set()
+        out, finished = run_step(sched, runner)
+        seconds = simulated_seconds(out)
+        sched.observe_step(out, seconds)
+        check_invariants(sched)
+        steps_out.append((out, seconds, before))
+        done.update((r.request_id, r) for r in finished)
+    raise AssertionError("not finished")
+
+
+def test_the_model_learns_a_linear_cost_from_varied_steps():
+    model = StepCostModel()
+    rng = random.Random(0)
+    for _ in range(60):
+        shape = StepShape(rng.randrange(0, 20), rng.randrange(1, 300), rng.randrange(0, 200_000))
+        seconds = BASE_S + DECODE_S * shape.num_decodes + TOKEN_S * shape.num_prefill_tokens + KEY_S * shape.keys_read
+        model.observe(shape, seconds)
+    probe = StepShape(8, 100, 50_000)
+    truth = BASE_S + DECODE_S * 8 + TOKEN_S * 100 + KEY_S * 50_000
+    assert model.predict(probe) == pytest.approx(truth, rel=0.02)
+    # The inverse: tokens of a prompt at position 500 that fit in 50 ms.
+    n = model.prompt_tokens_within(0.05, 500)
+    assert TOKEN_S * n + KEY_S * keys_read(500, n) <= 0.05 * 1.02
+    assert TOKEN_S * (n + 2) + KEY_S * keys_read(500, n + 2) > 0.05 * 0.98
+
+
+def test_decodes_never_wait_behind_a_prompt_beyond_the_target():
+    target_ms = 40.0
+    sched, runner = make(num_device_blocks=512, max_num_batched_tokens=2048, max_step_ms=target_ms,
+                         min_prompt_chunk=4, block_size=16)
+    steps: list = []
+    # Eight chats streaming, and a long prompt arriving once they are all decoding.
+    chats = [request(f"chat{i}", prompt(i, 20), max_tokens=150, ignore_eos=True) for i in range(8)]
+    for chat in chats:
+        sched.add_request(chat)
+    for _ in range(12):  # the chats' prompts (teaching the model), then decodes alone
+        out, _ = run_step(sched, runner)
+        sched.observe_step(out, simulated_seconds(out))
+        steps.append((out, simulated_seconds(out)))
+    long_prompt = request("long", prompt(99, 1500), max_tokens=4, ignore_eos=True)
+    sched.add_request(long_prompt)
+    after: list = []
+    done = drive(sched, runner, after)
+    with_prompt = [step for step in after if step[0].num_prefill_tokens]
+    # The prompt was split over steps, each within the target, and every chat still streaming
+    # decoded in each of them.
+    assert len(with_prompt) >= 1500 * TOKEN_S / (target_ms / 1000)
+    for out, seconds, before in with_prompt:
+        if not before:
+            continue  # the step-cost model had no fit yet: a fixed first chunk
+        decoding = {item.request_id for item in out.scheduled if item.num_new_tokens == 1}
+        assert decoding >= {c.request_id for c in chats} & before
+        assert seconds <= target_ms / 1000 * 1.05, f"a step with decodes took {seconds * 1000:.1f} ms"
+    # And it still completes, with the same tokens as a run without a target.
+    assert done["long"].output_token_ids == expected(long_prompt, sched.config.max_model_len)
+    for chat in chats:
+        assert done[chat.request_id].output_token_ids == expected(chat, sched.config.max_model_len)
+
+
+def test_a_prompt_still_progresses_when_decodes_alone_exceed_the_target():
+    sched, runner = make(num_device_blocks=1024, max_num_batched_tokens=2048, max_step_ms=5.0,
+                         min_prompt_chunk=16, block_size=16)
+    for i in range(12):  # 12 decodes already cost 4 + 18 ms > 5 ms
+        sched.add_request(request(f"chat{i}", prompt(i, 10), max_tokens=400, ignore_eos=True))
+    steps: list = []
+    for _ in range(8):
+        out, _ = run_step(sched, runner)
+        sched.observe_step(out, simulated_seconds(out))
+    late = request("late", prompt(7, 300), max_tokens=2, ignore_eos=True)
+    sched.add_request(late)
+    chunks = []  # (its tokens this step, whether the model had a fit)
+    while "late" in sched.requests:
+        ready = sched.step_cost.ready
+        out, _ = run_step(sched, runner)
+        sched.observe_step(out, simulated_seconds(out))
+        chunks += [(item.num_new_tokens, ready) for item in out.scheduled if item.request_id == "late"]
+        assert len(chunks) < 100, "the late prompt made no progress"
+    assert sum(n for n, _ in chunks[:-1]) >= 300  # its prompt done, then its tokens
+    fitted = [n for n, ready in chunks[:-1] if ready]
+    assert fitted and all(n == 16 for n in fitted[:-1]) and fitted[-1] <= 16
+
+
+def test_without_a_target_the_token_budget_alone_decides():
+    sched, runner = make(num_device_blocks=256, max_num_batched_tokens=512, block_size=16)
+    sched.add_request(request("a", prompt(1, 400), max_tokens=2, ignore_eos=True))
+    out, _ = run_step(sched, runner)
+    sched.observe_step(out, 10.0)  # a slow step changes nothing without a target
+    assert [item.num_new_tokens for item in out.scheduled] == [400]
+
+
+def test_before_the_model_has_data_prompts_come_in_first_chunks():
+    sched, runner = make(num_device_blocks=256, max_num_batched_tokens=2048, max_step_ms=50.0,
+                         first_prompt_chunk=64, block_size=16)
+    sched.add_request(request("a", prompt(1, 200), max_tokens=2, ignore_eos=True))
+    out, _ = run_step(sched, runner)
+    assert [item.num_new_tokens for item in out.scheduled] == [64]
+
+
+def test_the_step_time_options_are_checked():
+    with pytest.raises(ValueError, match="max_step_ms"):
+        make(num_device_blocks=8, max_step_ms=0)
+    with pytest.raises(ValueError, match="min_prompt_chunk"):
+        make(num_device_blocks=8, max_step_ms=10, min_prompt_chunk=0)
