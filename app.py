@@ -29,7 +29,8 @@ from fastapi import FastAPI
 from gradio.routes import App as GradioApp
 from starlette.routing import Mount
 
-from engine import EngineClient, add_openai_api, is_loopback
+from engine import StreamingClient, add_openai_api, is_loopback
+from engine.serve import add_engine_arguments, start_engine
 from storage import Store, default_path, hub_backup
 from ui import backends
 from ui.backends.backend import ChatBackend
@@ -64,7 +65,7 @@ def build_app(backend: ChatBackend, store: Store, feed: PanelFeed | None = None,
     return demo
 
 
-def build_server(demo: gr.Blocks, client: EngineClient | None, sessions: Sessions, host: str,
+def build_server(demo: gr.Blocks, client: StreamingClient | None, sessions: Sessions, host: str,
                  api_key: str | None = None) -> FastAPI:
     """The HTTP server: the in-process engine's OpenAI-compatible API (when there is one and
     `api_enabled`) at /v1, /metrics, /health, /tokenize and /detokenize, and the Gradio app at /
@@ -117,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-waiting", type=int, default=int(env("PAGEDCHAT_MAX_WAITING", "256")),
                         help="requests that may wait for the engine at once; beyond it a chat is told the "
                              "server is busy ($PAGEDCHAT_MAX_WAITING; default 256)")
+    add_engine_arguments(parser)
     parser.add_argument("--host", default=env("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(env("GRADIO_SERVER_PORT", "7860")))
     parser.add_argument("--db", default=env("PAGEDCHAT_DB"), help="SQLite file ($PAGEDCHAT_DB, else ./data/pagedchat.db)")
@@ -144,19 +146,12 @@ def main(argv: list[str] | None = None) -> None:
         backend = backends.remote(args.backend, args.backend_key)
         api = "the backends serve it"
     else:
-        import torch
-
-        from engine import LLMEngine
-
         sizes = {}
         if space.on_space():  # the container's share of the machine, not the host's
             hardware = space.space_hardware()
-            if hardware.threads:
-                torch.set_num_threads(hardware.threads)
-            sizes = dict(kv_cache_memory_gib=hardware.kv_cache_memory_gib, swap_space=hardware.swap_space_gib)
-        engine = LLMEngine(args.model, args.device, args.dtype, num_gpu_blocks=args.num_gpu_blocks,
-                           num_cpu_blocks=args.num_cpu_blocks, **sizes)
-        client = EngineClient(engine, max_waiting=args.max_waiting)
+            sizes = dict(kv_cache_memory_gib=hardware.kv_cache_memory_gib, swap_space=hardware.swap_space_gib,
+                         num_threads=hardware.threads)
+        client = start_engine(args, args.max_waiting, **sizes)
         backend, feed, load = backends.in_process(client), PanelFeed(client), LoadGenerator(client)
         api = "/v1" if api_enabled(args.host, args.api_key) else "off, no --api-key"
     sessions = Sessions()

@@ -1,7 +1,8 @@
 """PagedChat's serving engine: paged KV cache, prefix caching, continuous batching, preemption.
 
 The layers, each importing only those below it:
-    engine/           the public surface: LLM, LLMEngine, EngineClient, SamplingParams, outputs
+    engine/           the public surface: LLM, LLMEngine, EngineClient (the engine on a thread),
+                      CoreProcessClient (the engine core in its own process), SamplingParams, outputs
     engine/api/       the OpenAI-compatible HTTP API and its Prometheus metrics (`python -m engine.serve`)
     engine/core/      CPU-side decisions: requests, scheduler, KV-cache manager, block pool (no torch)
     engine/worker/    the tensor side: model runner, models, sampler, decode graphs, loader, memory
@@ -17,7 +18,8 @@ from engine.outputs import CompletionOutput, Delta, EngineInfo, FirstToken, Requ
 
 # The model-facing API pulls in torch and transformers: imported only when asked for.
 _LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineClient": "engine.client",
-         "EngineBusyError": "engine.client", "EngineDeadError": "engine.client",
+         "CoreProcessClient": "engine.core_client", "StreamingClient": "engine.request_streams",
+         "EngineBusyError": "engine.request_streams", "EngineDeadError": "engine.request_streams",
          "add_openai_api": "engine.api", "is_loopback": "engine.api.access",
          "block_map_from_kv_cache_json": "engine.api.kv_cache"}
 
@@ -29,7 +31,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["BlockInfo", "BlockMap", "BlockState", "CompletionOutput", "Delta", "EngineBusyError", "EngineClient", "EngineDeadError", "EngineInfo",
+__all__ = ["BlockInfo", "BlockMap", "BlockState", "CompletionOutput", "CoreProcessClient", "Delta", "EngineBusyError", "EngineClient", "EngineDeadError", "EngineInfo",
            "FinishReason", "FirstToken", "LLM", "LLMEngine", "PromptTooLongError", "Request", "RequestOutput",
-           "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerStats", "Usage", "add_openai_api",
+           "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerStats", "StreamingClient", "Usage", "add_openai_api",
            "block_map_from_kv_cache_json", "decode_rate", "is_loopback"]

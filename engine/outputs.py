@@ -37,6 +37,19 @@ class Delta:
     logprobs: tuple[dict[int, float], ...] | None = None  # per new token, when asked for
 
 
+@dataclass(frozen=True, slots=True)
+class TokenOutput:
+    """One sample's new tokens from one engine-core step: token ids, not text. The frontend
+    (engine/output_processor.py) turns them into Deltas; the core may run in another process."""
+    request_id: str                   # the request (the group, when n > 1)
+    index: int                        # which of its n samples
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None  # decided by the core: a stop token, max_tokens, or an error
+    error: str | None = None
+    logprobs: tuple[dict[int, float], ...] | None = None
+    num_cached_tokens: int = 0        # prompt tokens the prefix cache served (on every output)
+
+
 @dataclass
 class CompletionOutput:
     index: int

@@ -4,6 +4,8 @@
     python -m engine.serve --model path/to/llama --host 0.0.0.0 --api-key "$KEY"
 
 Then any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=...)`.
+The engine core runs in a process of its own (engine/core_client.py), so the server's Python
+never holds up a step; `--engine-in-process` runs it on a thread of this process instead.
 On an address other than loopback the API needs a key (`--api-key` or $PAGEDCHAT_API_KEY), as
 the chat app's does: an open engine on a network is anyone's.
 """
@@ -16,10 +18,11 @@ from fastapi import FastAPI
 
 from engine.api import add_openai_api
 from engine.api.access import is_loopback
-from engine.client import EngineClient
+from engine.core.config import DEFAULT_MAX_STEP_MS
+from engine.request_streams import StreamingClient
 
 
-def build_server(client: EngineClient, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def build_server(client: StreamingClient, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
     """The API over `client` as an app of its own."""
     app = FastAPI(title="PagedChat engine", docs_url=None, redoc_url=None)
     add_openai_api(app, client, model_name, api_key)
@@ -42,21 +45,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="requests that may wait at once; beyond it 503 with Retry-After")
+    add_engine_arguments(parser)
     args = parser.parse_args(argv)
     if not args.api_key and not is_loopback(args.host):
         parser.error(f"--host {args.host} is reachable from other machines: set --api-key (or $PAGEDCHAT_API_KEY)")
     return args
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the engine serves: its step-time target and where it runs (the app takes them too)."""
+    env = os.environ.get
+    parser.add_argument("--max-step-ms", type=float, default=float(env("PAGEDCHAT_MAX_STEP_MS", DEFAULT_MAX_STEP_MS)),
+                        help="step-time target: prompts are computed in chunks that keep every streaming reply's "
+                             f"steps under it; 0 turns it off ($PAGEDCHAT_MAX_STEP_MS; default {DEFAULT_MAX_STEP_MS:g})")
+    parser.add_argument("--engine-in-process", action="store_true",
+                        default=env("PAGEDCHAT_ENGINE_IN_PROCESS", "") not in ("", "0"),
+                        help="run the engine on a thread of the server's process, not in a process of its own "
+                             "($PAGEDCHAT_ENGINE_IN_PROCESS=1)")
+
+
+def start_engine(args: argparse.Namespace, max_waiting: int, **options) -> StreamingClient:
+    """The engine client that `args` ask for: the engine core in its own process (the default)
+    or on a thread of this one. `options`: more of the engine's."""
+    options = {"num_gpu_blocks": args.num_gpu_blocks, "num_cpu_blocks": args.num_cpu_blocks,
+               "max_step_ms": args.max_step_ms or None, **options}
+    if args.engine_in_process:
+        from engine.client import EngineClient
+        from engine.llm_engine import LLMEngine
+
+        threads = options.pop("num_threads", None)
+        if threads:
+            import torch
+            torch.set_num_threads(threads)
+        return EngineClient(LLMEngine(args.model, args.device, args.dtype, **options), max_waiting=max_waiting)
+    from engine.core_client import CoreProcessClient
+
+    return CoreProcessClient(args.model, args.device, args.dtype, max_waiting=max_waiting, **options)
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from engine.llm_engine import LLMEngine
-
     args = parse_args(argv)
-    engine = LLMEngine(args.model, args.device, args.dtype, num_gpu_blocks=args.num_gpu_blocks,
-                       num_cpu_blocks=args.num_cpu_blocks, max_num_seqs=args.max_num_seqs)
-    client = EngineClient(engine, max_waiting=args.max_waiting)
+    client = start_engine(args, args.max_waiting, max_num_seqs=args.max_num_seqs)
     try:
         uvicorn.run(build_server(client, args.served_model_name, args.api_key), host=args.host, port=args.port,
                     log_level="warning")

@@ -7,15 +7,21 @@ import pytest
 
 from engine import SamplingParams
 from engine.client import EngineClient
+from engine.core_client import CoreProcessClient
 from engine.llm_engine import LLMEngine
 from engine.core.scheduler import PromptTooLongError
 
 QUESTIONS = [f"Question {i}: tell me something about the number {i * 7}." for i in range(8)]
 
 
-@pytest.fixture(scope="module")
-def client(tiny_model_dir):
-    client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=96, num_cpu_blocks=64, max_num_seqs=16))
+@pytest.fixture(scope="module", params=["thread", "process"])
+def client(request, tiny_model_dir):
+    """Both clients keep one contract: the engine on a thread here, or its core in a process of its own."""
+    options = dict(num_gpu_blocks=96, num_cpu_blocks=64, max_num_seqs=16)
+    if request.param == "thread":
+        client = EngineClient(LLMEngine(tiny_model_dir, **options))
+    else:
+        client = CoreProcessClient(tiny_model_dir, **options)
     yield client
     client.close()
 
@@ -73,7 +79,7 @@ def test_abort_ends_the_stream_and_frees_its_blocks(client):
 
 def test_bad_prompts_raise_at_submit_and_others_keep_streaming(client):
     good = client.submit(QUESTIONS[2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    limit = client.engine.config.max_model_len
+    limit = client.info().max_model_len
     with pytest.raises(PromptTooLongError, match=f"max_model_len={limit}"):
         client.submit(list(range(5, 5 + limit + 1)), SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="empty"):
@@ -90,7 +96,7 @@ def test_usage_and_snapshots_while_streaming(client):
     block_map = client.block_map()
     used = [b for b in block_map.device if b.state.value == "used"]
     assert used and all(b.owners for b in used)
-    assert len(block_map.device) == client.engine.config.num_device_blocks
+    assert len(block_map.device) == client.info().num_device_blocks
     final = list(stream)[-1]
     assert final.usage.cached_tokens >= 16 and final.usage.prompt_tokens > final.usage.cached_tokens
     assert 0 < final.usage.ttft_s <= final.usage.duration_s
@@ -228,4 +234,35 @@ def test_a_caller_cancelled_while_its_submit_is_queued_leaves_nothing_running(cl
 
     cancelled = any(asyncio.run(main()) for _ in range(5))  # stops at the first cancel that landed
     wait_until_idle(client, 2.0)
-    assert cancelled
+    # The thread client's submit waits for the loop thread, where a cancel can land; the process
+    # client's is sent without waiting, so its submit is never cancelled (and nothing is left either).
+    assert cancelled is isinstance(client, EngineClient)
+
+
+def test_a_reader_that_falls_behind_gets_the_queued_tokens_merged_in_order(client):
+    """Deltas that wait for a slow reader reach it merged (a chunk per wake-up, not per token),
+    every character in order, and the final delta still carries the finish and the usage."""
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    expected = "".join(d.text for d in client.submit(QUESTIONS[3], params))
+    stream = client.submit(QUESTIONS[3], params)
+    first = next(stream)
+    wait_until_idle(client)  # the whole reply is queued behind the first delta
+    rest = list(stream)
+    assert first.text + "".join(d.text for d in rest) == expected
+    assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 60
+    assert len(rest) == 1 and rest[0].finish_reason == "length" and rest[0].usage.completion_tokens == 60
+
+
+def test_an_async_reader_that_falls_behind_gets_them_merged_too(client):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+
+    async def main():
+        stream = await client.asubmit(QUESTIONS[4], params)
+        first = await anext(stream)
+        await asyncio.to_thread(wait_until_idle, client)
+        return [first] + [d async for d in stream]
+
+    deltas = asyncio.run(main())
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert len(tokens) == 40 and len(deltas) == 2
+    assert all(len(d.logprobs) == len(d.token_ids) for d in deltas)  # one entry per token, still aligned

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing, contextmanager
@@ -41,6 +42,9 @@ TITLE_CHARS = 48
 # a shorter prompt that still does not fit its KV cache.
 MAX_TEXT_CHARS = 100_000
 STOP_WAIT_S = 5.0
+# A streaming reply is redrawn at most this often: each redraw costs the page (Gradio's
+# postprocessing and diff of the whole chat) far more than a token, and ~20 a second reads as smooth.
+VIEW_INTERVAL_S = 0.05
 MAX_CONVERSATION_ID = 2**63 - 1  # SQLite's largest integer: beyond it no row can exist
 SUMMARY_TOKENS = 384
 SUMMARY_REQUEST = ("Summarize our conversation so far for a fresh start: the facts, names, numbers, decisions "
@@ -563,8 +567,13 @@ class ChatController:
         """Show the reply as it grows, then store it with its numbers. Closing this generator or
         cancelling its reader aborts the engine request and stores the partial reply as stopped."""
         completed = False
+        next_view = 0.0
         try:
             async for _ in reply:
+                now = time.monotonic()
+                if now < next_view and reply.finish_reason is None:
+                    continue  # its text joins the next redraw (the next delta's, at most a token's gap away)
+                next_view = now + VIEW_INTERVAL_S
                 live = {"role": "assistant", "content": reply.text or "…"}
                 yield ChatView(shown + [render.chat_message(live)], conversation_id)
             completed = True

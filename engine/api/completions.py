@@ -20,7 +20,7 @@ from starlette.background import BackgroundTask
 
 from engine.api.errors import APIError, bad_request
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from engine.client import EngineClient
+from engine.request_streams import StreamingClient
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.outputs import Delta, Usage
 
@@ -44,7 +44,7 @@ class Completions:
     """The two completion endpoints over one engine client. `tokenizer` is the API's own copy
     (the engine's stays on its loop thread); it only turns logprob token ids into text."""
 
-    def __init__(self, client: EngineClient, tokenizer, model_name: str) -> None:
+    def __init__(self, client: StreamingClient, tokenizer, model_name: str) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from engine.client import EngineClient
+from engine.request_streams import StreamingClient
 from engine.outputs import Delta
 
 # vLLM v1's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles mean the same.
@@ -32,7 +32,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class EngineMetrics:
     """The metrics of `client` in a registry of their own; `render()` is the /metrics body."""
 
-    def __init__(self, client: EngineClient, model_name: str) -> None:
+    def __init__(self, client: StreamingClient, model_name: str) -> None:
         self.client = client
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
@@ -82,7 +82,7 @@ class EngineMetrics:
 class _StatsCollector:
     """Read at each scrape from the engine's latest stats snapshot."""
 
-    def __init__(self, client: EngineClient, model_name: str) -> None:
+    def __init__(self, client: StreamingClient, model_name: str) -> None:
         self.client = client
         self.model_name = model_name
 
@@ -116,6 +116,11 @@ class _StatsCollector:
              stats.total_blocks_swapped_out),
             (counter, "pagedchat:blocks_swapped_in", "KV blocks copied from the host pool back to the device pool.",
              stats.total_blocks_swapped_in),
+            (gauge, "pagedchat:compiled_decode_pending",
+             "1 while a compiled decode step is still being built or loaded (the engine decodes eagerly meanwhile).",
+             float(self.client.compiled_pending())),
+            (counter, "pagedchat:engine_core_restarts", "Engine core processes started again after one died.",
+             getattr(self.client, "restarts", 0)),
         )
         for kind, name, documentation, value in metrics:
             family = kind(name, documentation, labels=["model_name"])

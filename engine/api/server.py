@@ -23,19 +23,19 @@ from engine.api.errors import APIError, bad_request, install_error_handlers
 from engine.api.kv_cache import kv_cache_json
 from engine.api.metrics import CONTENT_TYPE, EngineMetrics
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from engine.client import EngineClient
+from engine.request_streams import StreamingClient
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any prompt the engine can hold, far below harm
 API_PATHS = ("/v1/", "/tokenize", "/detokenize")  # the body limit's; the app's pages keep Gradio's
 
 
-def add_openai_api(app: FastAPI, client: EngineClient, model_name: str | None = None,
+def add_openai_api(app: FastAPI, client: StreamingClient, model_name: str | None = None,
                    api_key: str | None = None) -> EngineMetrics:
     """Add the API's routes, error handlers and body limit to `app`. `api_key`: required as a
     Bearer token on /v1/*; None leaves them open. Returns the metrics (registered on the client)."""
     info = client.info()
     model_name = model_name or info.model
-    tokenizer = copy.deepcopy(client.engine.tokenizer)  # the API's own: the engine's stays on its thread
+    tokenizer = copy.deepcopy(client.tokenizer)  # the API's own: a fast tokenizer is not thread-safe
     completions = Completions(client, tokenizer, model_name)
     metrics = EngineMetrics(client, model_name)
     created = int(time.time())

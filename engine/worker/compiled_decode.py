@@ -209,6 +209,11 @@ class CompiledDecode:
     def started(self) -> bool:
         return self._thread is not None
 
+    @property
+    def settled(self) -> bool:
+        """Started, and both steps are loaded or known to be unavailable: nothing more will change."""
+        return self._thread is not None and not self._thread.is_alive()
+
     def start(self) -> CompiledDecode:
         """Build (when missing) and load in the background. The engine calls this after its first
         step, so that loading (~2 s of copying weights) never delays a first token."""

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine import EngineClient
+from engine import StreamingClient
 from ui.backends.local import LocalEndpoint
 from ui.backends.monitor import Monitor
 from ui.backends.remote import RemoteEndpoint
 from ui.backends.router import Router
 
 
-def in_process(client: EngineClient, interval_s: float = 1.0) -> Router:
+def in_process(client: StreamingClient, interval_s: float = 1.0) -> Router:
     """The engine in this process, alone."""
     return Router(Monitor([LocalEndpoint(client)], interval_s).start())
 

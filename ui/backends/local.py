@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 
-from engine import BlockMap, Delta, EngineClient, EngineInfo, SamplingParams
-from ui.backends.backend import Deltas, Probe
+from engine import BlockMap, Delta, EngineDeadError, EngineInfo, SamplingParams, StreamingClient
+from ui.backends.backend import BackendError, Deltas, Probe
 from ui.backends.figures import MetricsSnapshot
 
 LOCAL_NAME = "in-process"
@@ -31,7 +31,7 @@ class _LocalStream:
 class LocalEndpoint:
     url = None
 
-    def __init__(self, client: EngineClient, name: str = LOCAL_NAME) -> None:
+    def __init__(self, client: StreamingClient, name: str = LOCAL_NAME) -> None:
         self.client = client
         self.name = name
         # Counted on the engine loop thread, read by the monitor: floats, so a torn read cannot happen.
@@ -42,14 +42,17 @@ class LocalEndpoint:
 
     async def start(self, messages: list[dict], params: SamplingParams, *, request_id: str,
                     user: str | None, num_shared_messages: int) -> Deltas:
-        deltas = await self.client.asubmit(messages, params, request_id=request_id, cache_salt=user,
-                                           num_shared_messages=num_shared_messages)
+        try:
+            deltas = await self.client.asubmit(messages, params, request_id=request_id, cache_salt=user,
+                                               num_shared_messages=num_shared_messages)
+        except EngineDeadError as error:  # stopped, or its core restarting: as a server that is down
+            raise BackendError(str(error)) from None
         return _LocalStream(deltas, lambda: self.client.abort(request_id))
 
     def probe(self) -> Probe:
         info = self.client.info()
         if self.client.closed:
-            return Probe(up=False, problem="the engine loop has stopped", model=info.model)
+            return Probe(up=False, problem=self.client.closed_reason() or "the engine has stopped", model=info.model)
         stats = self.client.stats()
         metrics = MetricsSnapshot(
             timestamp=time.time(), flavor="pagedchat",

@@ -12,12 +12,12 @@ import dataclasses
 import threading
 import time
 
-from engine import BlockMap, EngineClient
+from engine import BlockMap, StreamingClient
 from ui.panel.history import StatsHistory
 
 
 class PanelFeed:
-    def __init__(self, client: EngineClient, interval_s: float = 1.0, capacity: int = 600,
+    def __init__(self, client: StreamingClient, interval_s: float = 1.0, capacity: int = 600,
                  window_s: float = 30.0) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine import EngineClient, SamplingParams
+from engine import SamplingParams, StreamingClient
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class _Run:
 class LoadGenerator:
     """Starts and stops a set of synthetic users on `client`."""
 
-    def __init__(self, client: EngineClient, *, think_time_s: float = 0.2, turns_per_conversation: int = 4) -> None:
+    def __init__(self, client: StreamingClient, *, think_time_s: float = 0.2, turns_per_conversation: int = 4) -> None:
         if not (isinstance(think_time_s, (int, float)) and think_time_s >= 0):
             raise ValueError(f"think_time_s must be a non-negative number, got {think_time_s!r}")
         if not (isinstance(turns_per_conversation, int) and turns_per_conversation >= 1):

@@ -17,7 +17,8 @@ packed 6.3. So in bf16 the packed copy replaces the plain one everywhere. In fp3
 streams a single row faster depends on the CPU (BLAS's matrix-vector path on the Xeon, oneDNN on
 the EPYC): `settle_few_row_path` times both on the model's own weights once, at load, and drops
 the plain copy where packed wins (on the Xeon fp32 holds each weight twice). Elsewhere (CUDA, or
-a build without oneDNN) the plain weight and `F.linear`.
+a build without oneDNN, or bf16 on a CPU without AVX-512, which oneDNN does not pack for) the
+plain weight and `F.linear`.
 """
 from __future__ import annotations
 
@@ -43,7 +44,10 @@ class Linear:
         self.packed: torch.Tensor | None = None
         if (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
                 and torch.backends.mkldnn.is_available()):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+            except RuntimeError:  # oneDNN packs bf16 only for CPUs with AVX-512 (or AVX-NE-CONVERT)
+                return
             if weight.dtype == torch.bfloat16:
                 self.weight = None  # every batch size is as fast or faster packed
 

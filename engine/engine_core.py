@@ -1,0 +1,200 @@
+"""The engine core: the model, the scheduler and the KV cache, stepping requests given as token
+ids and handing back token ids (TokenOutput). No text passes through it: tokenizing is the
+InputProcessor's and detokenizing the OutputProcessor's, so the core can run alone in its own
+process (engine/core_process.py) while a frontend does that work. Single-threaded."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+import kernels
+from engine.core.block_map import BlockMap, BlockMapState
+from engine.core.config import DEFAULT_MAX_STEP_MS, SchedulerConfig
+from engine.core.request import FinishReason, Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.stats import SchedulerStats
+from engine.outputs import EngineInfo, TokenOutput
+from engine.worker import compiled_decode
+from engine.worker.decode_graphs import BUCKETS
+from engine.worker.host_allocator import keep_freed_memory
+from engine.worker.memory import num_device_blocks, num_host_blocks, resolve_device, resolve_dtype
+from engine.worker.model_loader import DEFAULT_MODEL_NAME, load_hf_model, model_dtype
+from engine.worker.model_runner import ModelRunner
+from engine.worker.models.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, model: str | None = None, device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None, *, block_size: int = 16,
+                 num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, kv_cache_memory_gib: float = 1.0,
+                 swap_space: float = 1.0, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                 preemption_mode: str = "auto", watermark: float = 0.01, cuda_graphs: bool | None = None,
+                 compile_decode: bool | None = None, max_step_ms: float | None = DEFAULT_MAX_STEP_MS) -> None:
+        self.device = resolve_device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # before the weights: every step's activations then reuse one heap
+        self.dtype = resolve_dtype(dtype, self.device, model_dtype(model) if dtype in (None, "auto") else None)
+        hf_model, self.tokenizer = load_hf_model(model, self.dtype)
+        self.model_name = model or os.environ.get("MODEL") or DEFAULT_MODEL_NAME
+        self.model = LlamaModel(hf_model, self.dtype, self.device)
+        hf_config = hf_model.config
+        del hf_model
+        # vLLM's option names (num_gpu_blocks, num_cpu_blocks) end here; inside, the pools are the
+        # device pool and the host pool (a CPU-only engine's "GPU" pool lives in main memory).
+        block_bytes = self.model.kv_block_bytes(block_size)
+        device_blocks = num_gpu_blocks if num_gpu_blocks is not None else num_device_blocks(
+            self.device, block_bytes, gpu_memory_utilization, kv_cache_memory_gib)
+        host_blocks = num_cpu_blocks if num_cpu_blocks is not None else num_host_blocks(block_bytes, swap_space)
+        model_limit = getattr(hf_config, "max_position_embeddings", None) or device_blocks * block_size
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True):
+            model_limit = min(model_limit, window)  # beyond the window the model attends differently
+        if max_model_len is None:
+            max_model_len = min(model_limit, device_blocks * block_size)
+        elif max_model_len > model_limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds what the model supports ({model_limit})")
+        self.config = SchedulerConfig(
+            num_device_blocks=device_blocks, num_host_blocks=host_blocks, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+            preemption_mode=preemption_mode, watermark=watermark, max_step_ms=max_step_ms)
+        self.scheduler = Scheduler(self.config)
+        if cuda_graphs is None:  # on a GPU by default; elsewhere only asked for (the tests do)
+            cuda_graphs = self.device.type == "cuda"
+        graph_batch = min(max_num_seqs, BUCKETS[-1]) if cuda_graphs else 0
+        # A lone chat's decode step compiled ahead of time (CPU): built once per machine into a
+        # cache, and loaded, in the background from the first step on; the eager path serves until
+        # it is ready. None: $PAGEDCHAT_COMPILE.
+        self.compiled = None
+        if compile_decode is None:
+            compile_decode = compiled_decode.enabled_by_default()
+        unsupported = compiled_decode.supported(self.device, self.dtype)
+        if compile_decode and unsupported:
+            log.info("no compiled decode step: %s", unsupported)
+        elif compile_decode:
+            self.compiled = compiled_decode.CompiledDecode(model, self.dtype, self.model)
+        self.runner = ModelRunner(self.model, device_blocks, host_blocks, block_size, max_model_len, graph_batch,
+                                  self.compiled)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self._emitted: dict[str, int] = {}  # request id -> output tokens already handed back
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, *,
+                    cache_salt: str | None = None, num_shared_prefix_tokens: int = 0) -> Request:
+        """Queue a prompt of token ids. With `cache_salt` (the user), its prefix-cache blocks can be
+        hit only by requests with the same salt, except those wholly inside its first
+        `num_shared_prefix_tokens` tokens (a preset system prompt everyone shares). Raises
+        (queueing nothing) on an empty or too long prompt."""
+        request = Request(request_id, token_ids, params, eos_token_id=self.eos_token_id, cache_salt=cache_salt,
+                          num_shared_prefix_tokens=num_shared_prefix_tokens if cache_salt is not None else 0)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request and all its samples, in any state; its blocks return at once."""
+        for rid in [rid for rid in self._emitted if rid == request_id or rid.startswith(request_id + "#")]:
+            del self._emitted[rid]
+        self.scheduler.abort_request(request_id)
+        self._idle_if_done()
+
+    def finish_request(self, sample_id: str) -> None:
+        """End one sample that the frontend found a stop string in (its text is complete)."""
+        self._emitted.pop(sample_id, None)
+        self.scheduler.finish_request(sample_id, FinishReason.STOP)
+        self._idle_if_done()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self) -> list[TokenOutput]:
+        started = time.perf_counter()
+        out = self.scheduler.schedule()
+        try:
+            sampled = self.runner.execute(out)
+        except Exception as error:  # a failed forward fails the requests in it, not the engine
+            log.exception("model step failed")
+            return self._fail([item.request for item in out.scheduled], error)
+        if self.compiled is not None and not self.compiled.started:
+            self.compiled.start()  # after a first step, which it must not delay
+        finished = self.scheduler.update(out, sampled)
+        self.scheduler.observe_step(out, time.perf_counter() - started)
+        done = {r.request_id: r for r in finished}
+        outputs: list[TokenOutput] = []
+        for item in out.scheduled:
+            if not item.num_samples:
+                continue
+            request = item.request
+            logprobs = self.runner.logprobs.get(request.request_id)
+            outputs.append(self._output(request, logprobs[0] if logprobs else None))
+            for index in range(1, item.num_samples):  # samples forked this step
+                child_id = f"{request.request_id}#{index}"
+                child = self.scheduler.requests.get(child_id) or done.get(child_id)
+                if child is not None:
+                    outputs.append(self._output(child, logprobs[index] if logprobs else None))
+        self._idle_if_done()
+        return outputs
+
+    def _output(self, request: Request, logprobs: dict[int, float] | None) -> TokenOutput:
+        """The request's tokens since its last output (one per step), and its end if it ended."""
+        emitted = self._emitted.get(request.request_id, 0)
+        new_tokens = tuple(request.all_token_ids[request.num_prompt_tokens + emitted:])
+        finish = request.finish_reason.value if request.is_finished else None
+        if finish is None:
+            self._emitted[request.request_id] = emitted + len(new_tokens)
+        else:
+            self._emitted.pop(request.request_id, None)
+        return TokenOutput(request.parent_id or request.request_id, request.sample_index, new_tokens, finish,
+                           logprobs=(logprobs,) if logprobs is not None else None,
+                           num_cached_tokens=max(request.num_cached_tokens, 0))
+
+    def _fail(self, requests: list[Request], error: Exception) -> list[TokenOutput]:
+        """End every sample of every request group in a failed step with an error output (the
+        frontend counts one final output per sample), and return their blocks. Samples not forked
+        yet, and forked ones not in the step, end too."""
+        reason = f"{type(error).__name__}: {error}"
+        groups = {r.parent_id or r.request_id: r for r in requests if not r.is_finished}
+        outputs = []
+        for group_id in groups:
+            members = [r for r in self.scheduler.requests.values() if (r.parent_id or r.request_id) == group_id]
+            indices = {r.sample_index for r in members}
+            parent = self.scheduler.requests.get(group_id)
+            if parent is not None and parent.sampling_params.n > 1 and not parent.forked:
+                indices.update(range(1, parent.sampling_params.n))
+            self.abort_request(group_id)  # the parent and every forked sample, in any state
+            outputs += [TokenOutput(group_id, index, (), "error", error=reason) for index in sorted(indices)]
+        self.scheduler.refresh_stats()  # no update() will say so
+        return outputs
+
+    def _idle_if_done(self) -> None:
+        if not self.scheduler.has_unfinished():
+            self.runner.idle()
+
+    # ---- snapshots ----------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.last_stats
+
+    def block_map(self) -> BlockMap:
+        return self.scheduler.block_map()
+
+    def block_map_state(self) -> BlockMapState:
+        return self.scheduler.block_map_state()
+
+    def compiled_pending(self) -> bool:
+        """Whether a compiled decode step is still being built or loaded (the eager path serves meanwhile)."""
+        return self.compiled is not None and not self.compiled.settled
+
+    def info(self) -> EngineInfo:
+        cache = self.runner.kv_cache
+        return EngineInfo(model=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+                          block_size=self.config.block_size, num_device_blocks=self.config.num_device_blocks,
+                          num_host_blocks=self.config.num_host_blocks, kernels=kernels.backend(cache),
+                          max_model_len=self.config.max_model_len)
