@@ -526,6 +526,9 @@ def run_rate(target: Target, rate: float, duration_s: float, max_tokens: int = 6
             "ttft_p50_s": pct([r.ttft_s for r in done], 0.5), "ttft_p99_s": pct([r.ttft_s for r in done], 0.99),
             "itl_p50_ms": ms(pct(gaps, 0.5)), "itl_p99_ms": ms(pct(gaps, 0.99)),
             "good": len(good), "goodput_req_s": round(len(good) / wall, 3),
+            # Why the others were not good (a request may miss both).
+            "ttft_missed": sum(r.ttft_s > ttft_slo_s for r in done),
+            "itl_missed": sum(r.gaps_s and pct(r.gaps_s, 0.99) > itl_slo_ms / 1000 for r in done),
             "good_share": round(len(good) / len(results), 3) if results else None,
             "client_cpu_s": round(cpu, 2), "client_cpu_share": round(cpu / wall, 3),
             "cached_share": round(sum(r.cached_tokens for r in with_cache) / prompt, 3) if prompt else None}

@@ -1,5 +1,5 @@
 """The in-process engine client: the step loop on a background thread of this process, many
-callers at once (the callers' side is engine/request_streams.py; engine/core_client.py runs the
+callers at once (the callers' side is engine/frontend/request_streams.py; engine/core_client.py runs the
 engine in a process of its own instead, behind the same interface).
 
 Only the loop thread touches the engine, its tokenizer included. Callers talk to it through one
@@ -21,7 +21,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineInfo
-from engine.request_streams import (LIVENESS_CHECK_S, EngineBusyError, EngineDeadError, Stream,
+from engine.frontend.request_streams import (LIVENESS_CHECK_S, EngineBusyError, EngineDeadError, Stream,
                                     StreamingClient)
 
 log = logging.getLogger(__name__)

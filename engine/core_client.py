@@ -34,10 +34,10 @@ from engine.core.block_map import BlockMap
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import check_prompt_length
 from engine.core.stats import SchedulerStats
-from engine.input_processor import InputProcessor
-from engine.output_processor import OutputProcessor
+from engine.frontend.input_processor import InputProcessor
+from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import EngineInfo
-from engine.request_streams import LIVENESS_CHECK_S, EngineBusyError, EngineDeadError, Stream, StreamingClient
+from engine.frontend.request_streams import LIVENESS_CHECK_S, EngineBusyError, EngineDeadError, Stream, StreamingClient
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 900.0  # loading weights (the first run converts the embedded model: ~15 s)

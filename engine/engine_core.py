@@ -4,6 +4,7 @@ InputProcessor's and detokenizing the OutputProcessor's, so the core can run alo
 process (engine/core_process.py) while a frontend does that work. Single-threaded."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -85,6 +86,10 @@ class EngineCore:
                                   self.compiled)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._emitted: dict[str, int] = {}  # request id -> output tokens already handed back
+        # $PAGEDCHAT_STEP_LOG: a JSON line per step (its shape, how it ran, how long it took), for
+        # profiling a server under load (benchmarks/step_log.py reads it).
+        log_path = os.environ.get("PAGEDCHAT_STEP_LOG")
+        self._step_log = open(log_path, "a", buffering=1) if log_path else None
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, *,
@@ -126,7 +131,10 @@ class EngineCore:
         if self.compiled is not None and not self.compiled.started:
             self.compiled.start()  # after a first step, which it must not delay
         finished = self.scheduler.update(out, sampled)
-        self.scheduler.observe_step(out, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        if self._step_log is not None:
+            self._log_step(out, started, seconds)
+        self.scheduler.observe_step(out, seconds)
         done = {r.request_id: r for r in finished}
         outputs: list[TokenOutput] = []
         for item in out.scheduled:
@@ -142,6 +150,14 @@ class EngineCore:
                     outputs.append(self._output(child, logprobs[index] if logprobs else None))
         self._idle_if_done()
         return outputs
+
+    def _log_step(self, out, started: float, seconds: float) -> None:
+        stats = self.scheduler.last_stats
+        self._step_log.write(json.dumps({
+            "t": round(started, 6), "ms": round(1000 * seconds, 3), "path": self.runner.last_path,
+            "rows": len(out.scheduled), "decodes": out.num_decode_tokens, "prefill": out.num_prefill_tokens,
+            "predicted_ms": round(1000 * self.scheduler.predict_step(out), 3) if out.num_prefill_tokens else None,
+            "running": stats.num_running, "waiting": stats.num_waiting}) + "\n")
 
     def _output(self, request: Request, logprobs: dict[int, float] | None) -> TokenOutput:
         """The request's tokens since its last output (one per step), and its end if it ended."""

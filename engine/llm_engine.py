@@ -11,8 +11,8 @@ from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.engine_core import EngineCore
-from engine.input_processor import InputProcessor
-from engine.output_processor import OutputProcessor
+from engine.frontend.input_processor import InputProcessor
+from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import Delta, EngineInfo
 
 

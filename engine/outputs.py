@@ -40,7 +40,7 @@ class Delta:
 @dataclass(frozen=True, slots=True)
 class TokenOutput:
     """One sample's new tokens from one engine-core step: token ids, not text. The frontend
-    (engine/output_processor.py) turns them into Deltas; the core may run in another process."""
+    (engine/frontend/output_processor.py) turns them into Deltas; the core may run in another process."""
     request_id: str                   # the request (the group, when n > 1)
     index: int                        # which of its n samples
     token_ids: tuple[int, ...]

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from engine.api import add_openai_api
 from engine.api.access import is_loopback
 from engine.core.config import DEFAULT_MAX_STEP_MS
-from engine.request_streams import StreamingClient
+from engine.frontend.request_streams import StreamingClient
 
 
 def build_server(client: StreamingClient, model_name: str | None = None, api_key: str | None = None) -> FastAPI:

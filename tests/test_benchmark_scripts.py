@@ -119,7 +119,7 @@ def test_soak_script_short(tiny_model_dir):
 
 RATE_FIELDS = {"rate", "sent", "follow_ups", "completed", "failed", "errors", "wall_s", "req_per_s", "output_tok_s",
                "output_tokens_from", "ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "good", "goodput_req_s",
-               "good_share", "client_cpu_s", "client_cpu_share", "cached_share"}
+               "good_share", "ttft_missed", "itl_missed", "client_cpu_s", "client_cpu_share", "cached_share"}
 
 
 def check_rate_row(row):
@@ -128,6 +128,9 @@ def check_rate_row(row):
     assert row["sent"] > 0 and row["completed"] == row["sent"] and row["failed"] == 0, row
     assert row["output_tok_s"] > 0 and row["ttft_p50_s"] > 0 and row["itl_p50_ms"] is not None
     assert 0 <= row["good"] <= row["completed"]
+    # A request that was not good missed the TTFT or the ITL bar (or both).
+    assert max(row["ttft_missed"], row["itl_missed"]) <= row["completed"] - row["good"] <= \
+        row["ttft_missed"] + row["itl_missed"]
     assert row["good_share"] == round(row["good"] / row["sent"], 3)
     # goodput and completed/s share the wall time: their ratio is good / completed
     assert row["goodput_req_s"] <= row["req_per_s"]

@@ -18,7 +18,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.core_client import CoreProcessClient, EngineStartError
-from engine.request_streams import EngineDeadError
+from engine.frontend.request_streams import EngineDeadError
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "Tell me about lighthouses."}]

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.frontend.detokenizer import IncrementalDetokenizer
 
 EOS = 2  # <|im_end|>
 

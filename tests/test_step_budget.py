@@ -122,9 +122,26 @@ def test_without_a_target_the_token_budget_alone_decides():
 def test_before_the_model_has_data_prompts_come_in_first_chunks():
     sched, runner = make(num_device_blocks=256, max_num_batched_tokens=2048, max_step_ms=50.0,
                          first_prompt_chunk=64, block_size=16)
-    sched.add_request(request("a", prompt(1, 200), max_tokens=2, ignore_eos=True))
+    sched.add_request(request("a", prompt(1, 10), max_tokens=20, ignore_eos=True))
+    out, _ = run_step(sched, runner)  # a's prompt: one step the model learns from
+    sched.observe_step(out, simulated_seconds(out))
+    assert not sched.step_cost.ready
+    sched.add_request(request("b", prompt(2, 200), max_tokens=2, ignore_eos=True))
     out, _ = run_step(sched, runner)
-    assert [item.num_new_tokens for item in out.scheduled] == [64]
+    assert [(item.request_id, item.num_new_tokens) for item in out.scheduled] == [("a", 1), ("b", 64)]
+
+
+def test_a_step_without_decodes_gives_its_prompts_the_token_budget():
+    """No one is streaming yet: nothing to keep a pace for, so a lone prompt is not chunked."""
+    sched, runner = make(num_device_blocks=256, max_num_batched_tokens=512, max_step_ms=5.0, block_size=16)
+    for i in range(6):  # teach the model: every step is slow next to a 5 ms target
+        sched.add_request(request(f"t{i}", prompt(i, 40), max_tokens=1, ignore_eos=True))
+        out, _ = run_step(sched, runner)
+        sched.observe_step(out, simulated_seconds(out))
+    assert sched.step_cost.ready and not sched.has_unfinished()
+    sched.add_request(request("long", prompt(9, 400), max_tokens=2, ignore_eos=True))
+    out, _ = run_step(sched, runner)
+    assert [item.num_new_tokens for item in out.scheduled] == [400]
 
 
 def test_the_step_time_options_are_checked():

@@ -25,10 +25,14 @@ good share (requests with TTFT <= 1 s and their own ITL p99 <= 200 ms, over requ
 below 95%: that rate is reported as its first unsustained one, and the rate below it as its
 highest sustained (`max_good_rate`; a system that sustains every rate asked has at least the
 last). The server is stopped (SIGTERM to its process group, then SIGKILL) before the next starts.
+First of all, our engine alone with no server (engine_alone.py) writes the same one chat: the
+tok/s the served ones are held to, and its decode step time. At the end, the goals of issue 31
+(highest sustained rates 1.5x the peers', our latencies at the rates vLLM sustains, one chat
+>= 90% of offline, ITL p50 at 1/s, the page within 1.25x of the API), each with its figures.
 
     make bench-serve                          # sets the peers up first; DTYPE=bfloat16 make bench-serve
     .venv/bin/python benchmarks/peers/serve_compare.py [--systems engine,chat_page,vllm,llamacpp,llamacpp_q4_1]
-        [--rates 1,2,4,6,8,12,16] [--duration-s 45] [--dtype float32|bfloat16] [--seed 0]
+        [--rates 0.25,0.5,0.75,1,1.5,2,3,4,6,8,12,16] [--duration-s 45] [--dtype float32|bfloat16] [--seed 0]
 
 `--dtype` (default: what our engine's `auto` picks on this CPU: bf16 with AMX or AVX-512 BF16,
 fp32 otherwise) goes to every system: engine.serve's `--dtype`, the app's PAGEDCHAT_DTYPE,
@@ -274,6 +278,77 @@ def measure(name: str, target: serve.Target, running: Running, report: dict, arg
     report["sustained_every_rate"] = bool(rows) and len(rows) == len(args.rates) and report["first_unsustained_rate"] is None
 
 
+def engine_offline(args: argparse.Namespace) -> dict | None:
+    """Our engine alone, no server (engine_alone.py): one chat's tok/s and decode step time, the
+    figures the served ones are held to, measured in this run."""
+    command = [PYTHON, str(PEERS / "engine_alone.py"), "--dtype", args.dtype, "--tokens", str(args.one_chat_tokens)]
+    if args.model:
+        command += ["--model", args.model]
+    print(f"\n== engine offline: {' '.join(command[1:])}", flush=True)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        print(f"engine offline failed: {done.stderr.strip()[-600:]}", flush=True)
+        return None
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"engine offline: one chat {report['tok_s']} tok/s, decode step {report['step_ms']} ms", flush=True)
+    return report
+
+
+def print_goals(systems: dict, offline: dict | None) -> dict:
+    """Issue 31's bars, each with the figures it compares (None where a figure is missing)."""
+    def ran(name: str) -> dict | None:
+        report = systems.get(name)
+        return report if report and "missing" not in report else None
+
+    engine, page, vllm = ran("engine"), ran("chat_page"), ran("vllm")
+    goals: dict[str, dict] = {}
+
+    def goal(key: str, met: bool | None, **figures) -> None:
+        goals[key] = {"met": met, **figures}
+
+    for peer in ("vllm", "llamacpp", "llamacpp_q4_1"):
+        if engine and ran(peer):
+            ours, theirs = engine["max_good_rate"], ran(peer)["max_good_rate"]
+            met = None if ours is None else (theirs is None or ours >= 1.5 * theirs)
+            goal(f"max_good_rate >= 1.5x {peer}", met, ours=ours, theirs=theirs)
+    if engine and vllm:
+        theirs = {r["rate"]: r for r in vllm["rates"] if (r["good_share"] or 0) >= SUSTAINED}
+        ours = {r["rate"]: r for r in engine["rates"]}
+        for rate, peer_row in sorted(theirs.items()):
+            row = ours.get(rate)
+            met = row is not None and (row["ttft_p99_s"] <= peer_row["ttft_p99_s"] and row["itl_p99_ms"] <= peer_row["itl_p99_ms"]
+                                       and row["output_tok_s"] >= peer_row["output_tok_s"])
+            goal(f"at {rate:g}/s (vLLM sustains it): TTFT p99, ITL p99 <= vLLM's, out tok/s >= vLLM's", met,
+                 ours=None if row is None else [row["ttft_p99_s"], row["itl_p99_ms"], row["output_tok_s"]],
+                 vllm=[peer_row["ttft_p99_s"], peer_row["itl_p99_ms"], peer_row["output_tok_s"]])
+    if offline:
+        for name, report in (("engine", engine), ("chat_page", page)):
+            if report and report.get("one_chat_tok_s"):
+                share = report["one_chat_tok_s"] / offline["tok_s"]
+                goal(f"one chat through {name} >= 90% of offline", share >= 0.9, served=report["one_chat_tok_s"],
+                     offline=offline["tok_s"], share=round(share, 3))
+        one = next((r for r in (engine or {}).get("rates", []) if r["rate"] == 1.0), None)
+        if one is not None:
+            goal("ITL p50 at 1/s <= 1.5x the one-chat step", one["itl_p50_ms"] <= 1.5 * offline["step_ms"],
+                 itl_p50_ms=one["itl_p50_ms"], step_ms=offline["step_ms"])
+    if engine and page:
+        api = {r["rate"]: r for r in engine["rates"]}
+        for row in page["rates"]:
+            twin = api.get(row["rate"])
+            if twin is None or row["ttft_p99_s"] is None or twin["ttft_p99_s"] is None:
+                continue
+            met = (row["ttft_p99_s"] <= 1.25 * twin["ttft_p99_s"] and row["itl_p99_ms"] <= 1.25 * twin["itl_p99_ms"])
+            goal(f"chat page at {row['rate']:g}/s: TTFT p99, ITL p99 within 1.25x the API's", met,
+                 page=[row["ttft_p99_s"], row["itl_p99_ms"]], api=[twin["ttft_p99_s"], twin["itl_p99_ms"]])
+    if goals:
+        print("\ngoals (issue 31):")
+        for key, figures in goals.items():
+            met = {True: "met", False: "NOT met", None: "-"}[figures["met"]]
+            rest = ", ".join(f"{k} {v}" for k, v in figures.items() if k != "met")
+            print(f"  {met:>7}  {key}: {rest}")
+    return goals
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
@@ -333,7 +408,9 @@ def print_report(systems: dict, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--rates", default="1,2,4,6,8,12,16", help="requests/s, run in increasing order")
+    # From a quarter of a request a second: a 2-core CPU of an older kind saturates below one.
+    parser.add_argument("--rates", default="0.25,0.5,0.75,1,1.5,2,3,4,6,8,12,16",
+                        help="requests/s, run in increasing order")
     parser.add_argument("--duration-s", type=float, default=45.0, help="arrivals per rate last this long")
     parser.add_argument("--dtype", choices=sorted(GGUF), default=None,
                         help="every system's dtype (default: what our engine's auto picks on this CPU)")
@@ -362,6 +439,9 @@ def main() -> None:
     serve.raise_open_files_limit()
 
     results: dict[str, dict] = {}
+    offline = None
+    if args.one_chat_tokens and set(systems) & set(OURS):
+        offline = engine_offline(args)
     for name in systems:
         try:
             results[name] = run_system(name, args, args.build)
@@ -369,10 +449,12 @@ def main() -> None:
             results[name] = {"missing": str(why)}
             print(f"{name}: missing: {why}", flush=True)
     ratios = print_report(results, args)
+    goals = print_goals(results, offline)
     print(json.dumps({"cpu": cpu_model(), "cores": os.cpu_count(), "dtype": args.dtype, "duration_s": args.duration_s,
                       "rates_asked": args.rates, "max_tokens": args.max_tokens, "seed": args.seed,
                       "ttft_slo_s": args.ttft_slo_s, "itl_slo_ms": args.itl_slo_ms, "sustained_share": SUSTAINED,
-                      "one_chat_tokens": args.one_chat_tokens, "systems": results, "ratios": ratios}))
+                      "one_chat_tokens": args.one_chat_tokens, "engine_offline": offline, "systems": results,
+                      "ratios": ratios, "goals": goals}))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from starlette.background import BackgroundTask
 
 from engine.api.errors import APIError, bad_request
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from engine.request_streams import StreamingClient
+from engine.frontend.request_streams import StreamingClient
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.outputs import Delta, Usage
 

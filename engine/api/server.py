@@ -23,7 +23,7 @@ from engine.api.errors import APIError, bad_request, install_error_handlers
 from engine.api.kv_cache import kv_cache_json
 from engine.api.metrics import CONTENT_TYPE, EngineMetrics
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from engine.request_streams import StreamingClient
+from engine.frontend.request_streams import StreamingClient
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any prompt the engine can hold, far below harm
 API_PATHS = ("/v1/", "/tokenize", "/detokenize")  # the body limit's; the app's pages keep Gradio's

@@ -21,7 +21,8 @@ leave under it, as the step-cost model (engine/core/step_cost.py, fitted online 
 own steps) predicts: a long prompt is computed in chunks across steps, while every streaming
 chat keeps its pace, instead of one step that stalls them all (Sarathi-Serve's stall-free
 batching). So that prompts always progress, a step may compute `min_prompt_chunk` prompt tokens
-even when its decodes alone take the whole target.
+even when its decodes alone take the whole target. A step with no decodes has no one to stall:
+its prompts get the token budget alone (a lone chat's first token comes sooner).
 
 Preemption is by swap (the victim's blocks are copied to the host pool; it resumes from
 there) or by recompute (its blocks are freed, it goes back to the front of the waiting queue,
@@ -65,6 +66,14 @@ def check_prompt_length(num_tokens: int, max_model_len: int, pool_tokens: int) -
                                  f"(the device KV pool holds {pool_tokens} tokens)")
 
 
+def _shape(out: SchedulerOutput) -> StepShape:
+    decodes = keys = 0
+    for item in out.scheduled:
+        keys += keys_read(item.start, item.num_new_tokens)
+        decodes += item.num_new_tokens == 1
+    return StepShape(decodes, out.num_prefill_tokens, keys)
+
+
 def _priority(request: Request) -> tuple[int, int]:
     return (request.arrival, request.sample_index)
 
@@ -91,6 +100,7 @@ class Scheduler:
         self.step_cost = StepCostModel()
         self._prompt_time: float | None = None  # this step's seconds left for prompt tokens (None: no target)
         self._prompt_tokens = 0                 # prompt tokens scheduled in this step so far
+        self._unlimited = True                  # no target, or no decode in this step to keep to it
 
     # ---- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -233,27 +243,32 @@ class Scheduler:
         """Teach the step-cost model how long the step that `out` scheduled took."""
         if self.config.max_step_ms is None or not out.num_prefill_tokens:
             return
-        decodes = keys = 0
-        for item in out.scheduled:
-            keys += keys_read(item.start, item.num_new_tokens)
-            decodes += item.num_new_tokens == 1
-        self.step_cost.observe(StepShape(decodes, out.num_prefill_tokens, keys), seconds)
+        self.step_cost.observe(_shape(out), seconds)
+
+    def predict_step(self, out: SchedulerOutput) -> float:
+        """The step-cost model's seconds for the step that `out` scheduled (0 before it has a fit)."""
+        return self.step_cost.predict(_shape(out))
 
     # ---- the step-time target ------------------------------------------------------------
     def _start_prompt_budget(self) -> None:
         """The time this step leaves for prompt tokens: the target less what its decodes (every
-        running request with one token to compute) are predicted to take."""
+        running request with one token to compute) are predicted to take. A step with no decodes
+        keeps no one waiting between tokens: its prompts get the token budget alone."""
         self._prompt_tokens = 0
-        target = self.config.max_step_ms
-        if target is None or not self.step_cost.ready:
-            self._prompt_time = None
+        self._prompt_time = None
+        self._unlimited = True
+        if self.config.max_step_ms is None:
             return
         decodes = keys = 0
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens == 1:
                 decodes += 1
                 keys += request.num_tokens
-        self._prompt_time = target / 1000 - self.step_cost.predict(StepShape(decodes, 0, keys))
+        if not decodes:
+            return
+        self._unlimited = False
+        if self.step_cost.ready:
+            self._prompt_time = self.config.max_step_ms / 1000 - self.step_cost.predict(StepShape(decodes, 0, keys))
 
     def _chunk(self, request: Request, remaining: int, budget: int, start: int | None = None) -> int:
         """How many of a request's `remaining` tokens to compute this step, from position `start`
@@ -261,7 +276,7 @@ class Scheduler:
         prompt gets what is left of it (at least `min_prompt_chunk` tokens per step in all)."""
         num_new = min(remaining, budget)
         cfg = self.config
-        if num_new <= 1 or cfg.max_step_ms is None:
+        if num_new <= 1 or self._unlimited:
             return num_new
         start = request.num_computed_tokens if start is None else start
         if self._prompt_time is None:  # no fitted model yet: a fixed first chunk per step

@@ -48,6 +48,7 @@ class ModelRunner:
         # Per request sampled this step (when its params ask for logprobs): for each sample, the
         # model's log-probabilities of its top tokens and of the sampled one.
         self.logprobs: dict[str, list[dict[int, float]]] = {}
+        self.last_path = ""  # how the last step ran: "lone", "batch" (compiled), "graphs" or "eager"
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         for request_id in out.finished_ids:
@@ -76,12 +77,14 @@ class ModelRunner:
             # A decode batch (one new token per sequence): replayed from a captured graph.
             logits = self.graphs.run(input_ids, positions, slots, k_lens, table_rows)
             logits = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
+            self.last_path = "graphs"
         elif (len(input_ids) == 1 and sample_rows and self.compiled is not None and self.compiled.ready
               and k_lens[0] <= MAX_CONTEXT):
             # One sequence decoding alone: what a single user waits for, as one compiled call.
             logits, known_argmax = self.compiled.decode(input_ids[0], positions[0], table_rows[0], k_lens[0],
                                                         self.kv_cache, bs)
             self._last_plan = None  # the eager path's kept K/V did not see this token
+            self.last_path = "lone"
         elif (len(input_ids) == len(table_rows) and self.compiled is not None and self.compiled.batch_ready
               and 1 < len(table_rows) <= MAX_BATCH and bs == BATCH_BLOCK_SIZE and max(k_lens) <= MAX_CONTEXT):
             # A batch of decodes (one new token per sequence), as one compiled call.
@@ -92,10 +95,12 @@ class ModelRunner:
                 rows = torch.tensor(sample_rows, dtype=torch.int64)
                 logits, best = logits[rows], best[rows]
             known_argmax = best
+            self.last_path = "batch"
         else:
             if self.compiled is not None:
                 self.compiled.forget()  # this step may write blocks a later lone step would find unchanged
             logits = self._forward_eager(input_ids, positions, slots, cu_q, k_lens, table_rows, sample_rows)
+            self.last_path = "eager"
         if not sample_rows:
             return {}
         return self._sample(out, logits, sample_rows, known_argmax)

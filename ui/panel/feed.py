@@ -44,8 +44,9 @@ class PanelFeed:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s) and not self.client.closed:
-            self.sample()
+        while not self._stop.wait(self.interval_s):
+            if not self.client.closed:  # stopped, or its core restarting (engine/core_client.py)
+                self.sample()
 
     def sample(self) -> None:
         """Add the client's current stats, stamped now: an idle engine publishes no new steps,

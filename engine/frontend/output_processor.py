@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.core.sampling_params import SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.outputs import Delta, TokenOutput, Usage
 
 

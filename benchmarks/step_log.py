@@ -1,0 +1,62 @@
+"""Where a served engine's time went, from its step log: run the server with
+PAGEDCHAT_STEP_LOG=FILE (the engine core writes a JSON line per step: start, milliseconds, how it
+ran, decodes and prompt tokens), put load on it, then
+
+    .venv/bin/python benchmarks/step_log.py FILE [--since-s 0]
+
+Prints, per kind of step (decodes alone by the compiled lone or batch graph, eagerly, or steps
+with prompt tokens), how many there were, their time p50/p99/max and share of the wall time;
+the gaps between steps (the core's own time outside them: taking requests, sending outputs);
+and the idle share. Ends with one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("log")
+    parser.add_argument("--since-s", type=float, default=0.0, help="skip the log's first seconds (warm-up)")
+    args = parser.parse_args()
+    with open(args.log) as file:
+        steps = [json.loads(line) for line in file if line.strip()]
+    start = steps[0]["t"] + args.since_s
+    steps = [s for s in steps if s["t"] >= start]
+    wall = steps[-1]["t"] + steps[-1]["ms"] / 1000 - steps[0]["t"]
+    kinds: dict[str, list[dict]] = defaultdict(list)
+    for step in steps:
+        kinds[f"{step['path']}+prompt" if step["prefill"] else step["path"]].append(step)
+    gaps = [1000 * (b["t"] - a["t"]) - a["ms"] for a, b in zip(steps, steps[1:])]
+    busy_gaps = [g for g in gaps if g < 5.0]  # longer ones: the engine had nothing to do
+    rows = {}
+    print(f"{len(steps)} steps over {wall:.1f} s")
+    print(f"{'kind':>14} {'steps':>6} {'rows':>6} {'prompt':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'share':>6}")
+    for kind, group in sorted(kinds.items()):
+        times = [s["ms"] for s in group]
+        row = {"steps": len(group), "rows_mean": round(statistics.mean(s["rows"] for s in group), 1),
+               "prompt_mean": round(statistics.mean(s["prefill"] for s in group), 1),
+               "p50_ms": round(pct(times, 0.5), 2), "p99_ms": round(pct(times, 0.99), 2), "max_ms": round(max(times), 2),
+               "share": round(sum(times) / 1000 / wall, 3)}
+        rows[kind] = row
+        print(f"{kind:>14} {row['steps']:>6} {row['rows_mean']:>6} {row['prompt_mean']:>7} {row['p50_ms']:>8} "
+              f"{row['p99_ms']:>8} {row['max_ms']:>8} {100 * row['share']:>5.1f}%")
+    between = {"mean_ms": round(statistics.mean(busy_gaps), 3) if busy_gaps else None,
+               "p99_ms": round(pct(busy_gaps, 0.99), 3) if busy_gaps else None,
+               "share": round(sum(busy_gaps) / 1000 / wall, 3)}
+    idle = round(sum(g for g in gaps if g >= 5.0) / 1000 / wall, 3)
+    print(f"between steps while busy: mean {between['mean_ms']} ms, p99 {between['p99_ms']} ms, "
+          f"{100 * between['share']:.1f}% of the time; idle {100 * idle:.1f}%")
+    print(json.dumps({"steps": len(steps), "wall_s": round(wall, 1), "kinds": rows, "between": between, "idle": idle}))
+
+
+if __name__ == "__main__":
+    main()
