@@ -1,10 +1,10 @@
 """Soak test: many real users chatting for minutes against a small KV pool, as on a busy Space.
 
-The app runs in a child process (the engine, the store and the Gradio server, as `python app.py`
-runs them), so the users' clients do not share its interpreter. Each user is one gradio_client
-session in a thread, chatting in multi-turn loops; some turns leave mid-reply by closing the
-connection (a closed tab), some send bad input. Meanwhile a prober loads the page and Gradio's
-config every half second. At the end it reports:
+The app runs in a child process (the store and the Gradio server, with the engine core in a
+process of its own, as `python app.py` runs them), so the users' clients do not share its
+interpreter. Each user is one gradio_client session in a thread, chatting in multi-turn loops;
+some turns leave mid-reply by closing the connection (a closed tab), some send bad input.
+Meanwhile a prober loads the page and Gradio's config every half second. At the end it reports:
 
 - replies finished, errors (by kind), turns that hung (no answer within --hang-s),
 - replies lost: finished in the browser but not in the database,
@@ -55,15 +55,16 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from app import build_app, build_server
-    from engine import EngineClient, LLMEngine
+    from engine import CoreProcessClient
     from storage import Store
     from ui import backends
     from ui.panel.feed import PanelFeed
     from ui.panel.load_generator import LoadGenerator
     from ui.sessions import Sessions
 
-    client = EngineClient(LLMEngine(args.model, num_gpu_blocks=args.gpu_blocks, num_cpu_blocks=args.cpu_blocks),
-                          max_waiting=args.max_waiting)
+    # As `python app.py` serves: the engine core in a process of its own.
+    client = CoreProcessClient(args.model, num_gpu_blocks=args.gpu_blocks, num_cpu_blocks=args.cpu_blocks,
+                               max_waiting=args.max_waiting)
     feed, load, sessions = PanelFeed(client), LoadGenerator(client), Sessions()
     backend = backends.in_process(client)
     demo = build_app(backend, Store(args.db), feed, load, host="127.0.0.1", sessions=sessions)
