@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import threading
-import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing, contextmanager
@@ -32,7 +31,7 @@ from ui.backends.figures import BackendStatus
 from ui.chat_memory import ChatMemory, chat_memory, conversation_key
 from ui.context_meter import ContextUse, context_use
 from ui.backends.backend import BackendError, ChatBackend
-from ui.stream import ReplyStream, start_reply
+from ui.stream import ReplyStream, paced, start_reply
 
 log = logging.getLogger(__name__)
 
@@ -567,15 +566,11 @@ class ChatController:
         """Show the reply as it grows, then store it with its numbers. Closing this generator or
         cancelling its reader aborts the engine request and stores the partial reply as stopped."""
         completed = False
-        next_view = 0.0
         try:
-            async for _ in reply:
-                now = time.monotonic()
-                if now < next_view and reply.finish_reason is None:
-                    continue  # its text joins the next redraw (the next delta's, at most a token's gap away)
-                next_view = now + VIEW_INTERVAL_S
-                live = {"role": "assistant", "content": reply.text or "…"}
-                yield ChatView(shown + [render.chat_message(live)], conversation_id)
+            async with aclosing(paced(reply, VIEW_INTERVAL_S)) as states:
+                async for _ in states:
+                    live = {"role": "assistant", "content": reply.text or "…"}
+                    yield ChatView(shown + [render.chat_message(live)], conversation_id)
             completed = True
         finally:
             await reply.aclose()

@@ -1,6 +1,8 @@
 """One reply streaming from the engine: the text so far, and its numbers once it ends."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -62,6 +64,42 @@ class ReplyStream:
             per_s = decode_rate(self.num_tokens, time.perf_counter() - self._first_token_at)
         return {"completion_tokens": self.num_tokens, "ttft_s": ttft, "tokens_per_s": per_s,
                 "finish_reason": self.finish_reason, "backend": self.backend, "left_out": self.left_out or None}
+
+
+async def paced(reply: ReplyStream, interval_s: float) -> AsyncIterator[ReplyStream]:
+    """The reply's states as it grows, at most one per `interval_s`: deltas that come sooner are
+    merged into the state that comes when the interval has passed, not with the next delta (which
+    may be a slow step away). The first state and the last (the reply ended) come at once. Closing
+    this (or cancelling its reader) ends the wait for the next delta, which aborts the request."""
+    loop = asyncio.get_running_loop()
+    deltas = aiter(reply)
+    pending: asyncio.Future | None = None
+    next_at = 0.0
+    waiting = False  # text arrived that no state has shown yet
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(deltas))
+            timeout = max(next_at - loop.time(), 0.0) if waiting else None
+            done, _ = await asyncio.wait({pending}, timeout=timeout)
+            if done:
+                arrived, pending = pending, None
+                try:
+                    arrived.result()
+                except StopAsyncIteration:
+                    return
+                waiting = True
+                if reply.finish_reason is None and loop.time() < next_at:
+                    continue  # shown once the interval has passed
+            waiting = False
+            next_at = loop.time() + interval_s
+            yield reply
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await deltas.aclose()
 
 
 async def start_reply(backend: ChatBackend, messages: list[dict], params: SamplingParams,

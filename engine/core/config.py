@@ -32,7 +32,7 @@ class SchedulerConfig:
     # of this many milliseconds (engine/core/step_cost.py); None: the token budget alone.
     max_step_ms: float | None = None
     min_prompt_chunk: int = 8           # prompt tokens a step may always compute, so prompts progress
-    first_prompt_chunk: int = 128       # a step's prompt tokens before the step-cost model has data
+                                        # (and all it computes beside decodes until the cost model has data)
 
     def __post_init__(self) -> None:
         for name in ("num_device_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -47,9 +47,8 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_step_ms is not None and not self.max_step_ms > 0:
             raise ValueError(f"max_step_ms must be positive (or None for no step-time target), got {self.max_step_ms!r}")
-        for name in ("min_prompt_chunk", "first_prompt_chunk"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.min_prompt_chunk, int) or self.min_prompt_chunk < 1:
+            raise ValueError(f"min_prompt_chunk must be a positive integer, got {self.min_prompt_chunk!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         capacity = self.num_device_blocks * self.block_size

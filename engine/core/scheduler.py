@@ -279,8 +279,8 @@ class Scheduler:
         if num_new <= 1 or self._unlimited:
             return num_new
         start = request.num_computed_tokens if start is None else start
-        if self._prompt_time is None:  # no fitted model yet: a fixed first chunk per step
-            allowed = cfg.first_prompt_chunk - self._prompt_tokens
+        if self._prompt_time is None:  # no model of steps with decodes yet: the smallest chunk
+            allowed = cfg.min_prompt_chunk - self._prompt_tokens
         else:
             allowed = self.step_cost.prompt_tokens_within(self._prompt_time, start)
             allowed = max(allowed, cfg.min_prompt_chunk - self._prompt_tokens)

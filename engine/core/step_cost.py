@@ -11,7 +11,8 @@ fitted to the steps that computed prompt tokens (those are the steps the budget 
 decodes alone run other kernels, compiled graphs on a CPU), by least squares with exponential
 forgetting, so it follows the machine as it warms up, loads compiled steps, or gets busier. A
 small pull toward the previous fit keeps it defined before the shapes have varied enough to
-separate the terms. Until it has seen a few steps, the scheduler uses a fixed first chunk.
+separate the terms. It is `ready` once it has seen a few steps, some of them with decodes (the
+steps the budget shapes); until then the scheduler gives prompts its smallest chunk beside decodes.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ FEATURES = 4
 FORGET = 0.97        # weight of a step seen k steps ago: 0.97^k (about the last 30 steps count)
 RIDGE = 1e-3         # pull toward the previous coefficients, against drifting where data says nothing
 MIN_OBSERVATIONS = 3
+MIN_WITH_DECODES = 2  # steps with decodes seen before the decodes' cost is trusted
 KEYS_SCALE = 1e-3    # keys read are counted in thousands, so every coefficient has a similar size
 
 
@@ -46,10 +48,12 @@ class StepCostModel:
         self._moment = [0.0] * FEATURES                           # sum of w x y
         self.coefficients: tuple[float, ...] | None = None       # seconds per feature; None until fitted
         self.observations = 0
+        self.observations_with_decodes = 0
 
     @property
     def ready(self) -> bool:
-        return self.observations >= MIN_OBSERVATIONS and self.coefficients is not None
+        return (self.observations >= MIN_OBSERVATIONS and self.observations_with_decodes >= MIN_WITH_DECODES
+                and self.coefficients is not None)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Learn from a step that computed prompt tokens and took `seconds`."""
@@ -62,6 +66,7 @@ class StepCostModel:
                 row[j] = FORGET * row[j] + x[i] * x[j]
             self._moment[i] = FORGET * self._moment[i] + x[i] * seconds
         self.observations += 1
+        self.observations_with_decodes += shape.num_decodes > 0
         self.coefficients = self._solve()
 
     def predict(self, shape: StepShape) -> float:
