@@ -149,3 +149,31 @@ def test_the_step_time_options_are_checked():
         make(num_device_blocks=8, max_step_ms=0)
     with pytest.raises(ValueError, match="min_prompt_chunk"):
         make(num_device_blocks=8, max_step_ms=10, min_prompt_chunk=0)
+
+
+def test_under_saturation_prompts_keep_a_share_of_each_step():
+    """Decodes that alone take several times the target (a saturated server): prompts still get a
+    quarter of their time, so the queue moves at a pace that grows with the load."""
+    sched, runner = make(num_device_blocks=2048, max_num_batched_tokens=4096, max_step_ms=5.0,
+                         min_prompt_chunk=4, block_size=16)
+    for i in range(40):
+        sched.add_request(request(f"chat{i}", prompt(i, 10), max_tokens=400, ignore_eos=True))
+    for i in range(8):  # the chats decode; a few short prompts teach the model steps with decodes
+        sched.add_request(request(f"teach{i}", prompt(50 + i, 20 + 7 * i), max_tokens=1, ignore_eos=True))
+        out, _ = run_step(sched, runner)
+        sched.observe_step(out, simulated_seconds(out))
+    assert sched.step_cost.ready
+    sched.add_request(request("late", prompt(99, 400), max_tokens=2, ignore_eos=True))
+    for _ in range(200):  # until the short prompts ahead of it are done and it gets a step of its own
+        out, _ = run_step(sched, runner)
+        sched.observe_step(out, simulated_seconds(out))
+        chunks = [item.num_new_tokens for item in out.scheduled if item.num_new_tokens > 1]
+        if [item.request_id for item in out.scheduled if item.num_new_tokens > 1] == ["late"]:
+            break
+    else:
+        raise AssertionError("the late prompt never got a step")
+    decodes = sum(item.num_new_tokens == 1 for item in out.scheduled)
+    chunk = chunks[0]
+    decode_s = BASE_S + DECODE_S * decodes
+    expected = 0.25 * decode_s / TOKEN_S  # keys read are a small term here
+    assert decodes >= 40 and expected * 0.8 <= chunk <= expected * 1.05, (chunk, expected)

@@ -20,8 +20,9 @@ With a step-time target (`max_step_ms`), prompt tokens get only the time the ste
 leave under it, as the step-cost model (engine/core/step_cost.py, fitted online to this engine's
 own steps) predicts: a long prompt is computed in chunks across steps, while every streaming
 chat keeps its pace, instead of one step that stalls them all (Sarathi-Serve's stall-free
-batching). So that prompts always progress, a step may compute `min_prompt_chunk` prompt tokens
-even when its decodes alone take the whole target. A step with no decodes has no one to stall:
+batching). So that prompts always progress, a step may compute `min_prompt_chunk` prompt tokens,
+and prompts get at least a quarter of the decodes' time, even when the decodes alone take the
+whole target (a saturated server). A step with no decodes has no one to stall:
 its prompts get the token budget alone (a lone chat's first token comes sooner).
 
 Preemption is by swap (the victim's blocks are copied to the host pool; it resumes from
@@ -51,6 +52,9 @@ from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.core.stats import SchedulerStats, snapshot_stats
 from engine.core.step_cost import StepCostModel, StepShape, keys_read
+
+
+PROMPT_SHARE = 0.25  # of a step's decode time, the least that prompts get in it
 
 
 class PromptTooLongError(ValueError):
@@ -268,7 +272,10 @@ class Scheduler:
             return
         self._unlimited = False
         if self.step_cost.ready:
-            self._prompt_time = self.config.max_step_ms / 1000 - self.step_cost.predict(StepShape(decodes, 0, keys))
+            decode_time = self.step_cost.predict(StepShape(decodes, 0, keys))
+            # Under a load whose decodes alone overrun the target, prompts still get a share of
+            # each step: the queue keeps moving (replies are slower for everyone, not never).
+            self._prompt_time = max(self.config.max_step_ms / 1000 - decode_time, PROMPT_SHARE * decode_time)
 
     def _chunk(self, request: Request, remaining: int, budget: int, start: int | None = None) -> int:
         """How many of a request's `remaining` tokens to compute this step, from position `start`
