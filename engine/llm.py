@@ -20,10 +20,14 @@ class LLM:
     Llama-family model (default: $MODEL, else the embedded SmolLM2-135M-Instruct); `device`
     defaults to CUDA when present; options are the engine's (`block_size`, `num_gpu_blocks`,
     `num_cpu_blocks`, `gpu_memory_utilization`, `swap_space`, `max_num_seqs`,
-    `max_num_batched_tokens`, `max_model_len`, `enable_prefix_caching`, `preemption_mode`, `dtype`).
+    `max_num_batched_tokens`, `max_model_len`, `enable_prefix_caching`, `preemption_mode`, `dtype`,
+    `max_step_ms`: none by default here, where throughput is what counts).
     """
 
     def __init__(self, model: str | None = None, device: str | None = None, **options) -> None:
+        # Offline, nobody watches tokens stream: no step-time target (engine/core/step_cost.py)
+        # unless asked for; each step takes what the token budget allows.
+        options.setdefault("max_step_ms", None)
         self.engine = LLMEngine(model, device, **options)
         self._ids = itertools.count()
 
