@@ -9,10 +9,12 @@ VOCAB = 50
 EOS = 0
 
 
-def make(**config) -> tuple[Scheduler, SimulatedRunner]:
+def make(clock=lambda: 0.0, **config) -> tuple[Scheduler, SimulatedRunner]:
+    """A scheduler and its simulated runner; the scheduler's clock stands still unless a test
+    passes one (the queue's wait then never depends on how fast the machine runs the test)."""
     config.setdefault("block_size", 4)
     cfg = SchedulerConfig(**config)
-    return Scheduler(cfg), SimulatedRunner(cfg, vocab_size=VOCAB)
+    return Scheduler(cfg, clock), SimulatedRunner(cfg, vocab_size=VOCAB)
 
 
 def request(rid: str, prompt: list[int], max_tokens: int = 8, cache_salt: str | None = None,

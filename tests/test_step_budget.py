@@ -177,3 +177,40 @@ def test_under_saturation_prompts_keep_a_share_of_each_step():
     decode_s = BASE_S + DECODE_S * decodes
     expected = 0.25 * decode_s / TOKEN_S  # keys read are a small term here
     assert decodes >= 40 and expected * 0.8 <= chunk <= expected * 1.05, (chunk, expected)
+
+
+def test_the_longer_the_queue_waits_the_more_of_each_step_prompts_get():
+    """Saturated as above, with a clock: a prompt whose request has waited two seconds gets
+    (a quarter + two) decode times of the step, a fresh one a quarter; once it has its first
+    token the queue is back to a quarter."""
+    now = [0.0]
+    sched, runner = make(clock=lambda: now[0], num_device_blocks=2048, max_num_batched_tokens=4096,
+                         max_step_ms=5.0, min_prompt_chunk=4, block_size=16)
+    for i in range(40):
+        sched.add_request(request(f"chat{i}", prompt(i, 10), max_tokens=400, ignore_eos=True))
+    for i in range(8):
+        sched.add_request(request(f"teach{i}", prompt(50 + i, 20 + 7 * i), max_tokens=1, ignore_eos=True))
+        out, _ = run_step(sched, runner)
+        sched.observe_step(out, simulated_seconds(out))
+    for _ in range(20):  # the teaching prompts done: decodes alone
+        out, _ = run_step(sched, runner)
+        sched.observe_step(out, simulated_seconds(out))
+    assert sched.step_cost.ready and not sched.waiting
+
+    def chunk_of(rid: str) -> tuple[int, int]:
+        out, _ = run_step(sched, runner)
+        sched.observe_step(out, simulated_seconds(out))
+        return (sum(item.num_new_tokens for item in out.scheduled if item.request_id == rid),
+                sum(item.num_new_tokens == 1 for item in out.scheduled))
+
+    sched.add_request(request("fresh", prompt(98, 2000), max_tokens=2, ignore_eos=True))
+    fresh, decodes = chunk_of("fresh")
+    decode_s = BASE_S + DECODE_S * decodes
+    assert fresh == pytest.approx(0.25 * decode_s / TOKEN_S, rel=0.2)
+    sched.finish_request("fresh")
+
+    sched.add_request(request("late", prompt(99, 2000), max_tokens=2, ignore_eos=True))
+    now[0] += 2.0  # it waited two seconds before this step
+    late, decodes = chunk_of("late")
+    decode_s = BASE_S + DECODE_S * decodes
+    assert late == pytest.approx(2.25 * decode_s / TOKEN_S, rel=0.2) and late > 5 * fresh

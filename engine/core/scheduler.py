@@ -22,8 +22,11 @@ own steps) predicts: a long prompt is computed in chunks across steps, while eve
 chat keeps its pace, instead of one step that stalls them all (Sarathi-Serve's stall-free
 batching). So that prompts always progress, a step may compute `min_prompt_chunk` prompt tokens,
 and prompts get at least a quarter of the decodes' time, even when the decodes alone take the
-whole target (a saturated server). A step with no decodes has no one to stall:
-its prompts get the token budget alone (a lone chat's first token comes sooner).
+whole target (a saturated server). That share grows by one decode time for each second the
+oldest request without a first token has waited: under a load the target cannot hold, steps
+lengthen (the streaming chats slow) instead of the queue backing up behind a few chats decoding
+in small batches, where both waits and throughput collapse. A step with no decodes has no one
+to stall: its prompts get the token budget alone (a lone chat's first token comes sooner).
 
 Preemption is by swap (the victim's blocks are copied to the host pool; it resumes from
 there) or by recompute (its blocks are freed, it goes back to the front of the waiting queue,
@@ -42,7 +45,7 @@ from __future__ import annotations
 import time
 from bisect import insort
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from engine.core.block_map import BlockMap, BlockMapState, PoolMirror
 from engine.core.block_pool import NoFreeBlocksError
@@ -55,6 +58,7 @@ from engine.core.step_cost import StepCostModel, StepShape, keys_read
 
 
 PROMPT_SHARE = 0.25  # of a step's decode time, the least that prompts get in it
+QUEUE_PATIENCE_S = 1.0  # each second the queue's head waits adds one decode time for prompts (a chat's TTFT goal)
 
 
 class PromptTooLongError(ValueError):
@@ -83,8 +87,9 @@ def _priority(request: Request) -> tuple[int, int]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock  # arrival and first-token times (the queue's wait)
         self.kv = KVCacheManager(config.num_device_blocks, config.num_host_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
@@ -115,6 +120,7 @@ class Scheduler:
             raise ValueError(f"a request with id {request.request_id!r} is already running")
         request.status = RequestStatus.WAITING
         request.max_total_tokens = min(request.max_total_tokens, limit)
+        request.arrival_time = self.clock()
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -264,18 +270,24 @@ class Scheduler:
         if self.config.max_step_ms is None:
             return
         decodes = keys = 0
+        oldest = self.waiting[0].arrival_time if self.waiting else None
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens == 1:
                 decodes += 1
                 keys += request.num_tokens
+            elif request.first_token_time is None and (oldest is None or request.arrival_time < oldest):
+                oldest = request.arrival_time
         if not decodes:
             return
         self._unlimited = False
         if self.step_cost.ready:
             decode_time = self.step_cost.predict(StepShape(decodes, 0, keys))
             # Under a load whose decodes alone overrun the target, prompts still get a share of
-            # each step: the queue keeps moving (replies are slower for everyone, not never).
-            self._prompt_time = max(self.config.max_step_ms / 1000 - decode_time, PROMPT_SHARE * decode_time)
+            # each step, larger the longer the queue's head has waited: the queue keeps moving
+            # (replies are slower for everyone, not never).
+            waited = 0.0 if oldest is None else max(self.clock() - oldest, 0.0)
+            share = PROMPT_SHARE + waited / QUEUE_PATIENCE_S
+            self._prompt_time = max(self.config.max_step_ms / 1000 - decode_time, share * decode_time)
 
     def _chunk(self, request: Request, remaining: int, budget: int, start: int | None = None) -> int:
         """How many of a request's `remaining` tokens to compute this step, from position `start`
@@ -385,7 +397,7 @@ class Scheduler:
         """Append a sampled token; finish the request (returning True) if it should stop."""
         request.all_token_ids.append(token)
         if request.first_token_time is None:
-            request.first_token_time = time.monotonic()
+            request.first_token_time = self.clock()
         if token in request.stop_ids:
             request.stop_token_id = token
             reason = FinishReason.STOP
