@@ -15,7 +15,7 @@ import time
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.api.access import bearer_key_check
 from engine.api.completions import Completions
@@ -102,7 +102,12 @@ def add_openai_api(app: FastAPI, client: StreamingClient, model_name: str | None
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` gets 413 in OpenAI's shape, unread."""
+    """ASGI middleware: a request body over `max_bytes` gets 413 in OpenAI's shape. The body is
+    read here, whole, before the app sees any of it (the routes read it whole anyway), so a body
+    sent chunked is refused as surely as one whose Content-Length says it is too large. An
+    exception raised from inside the app's `receive` would not do: FastAPI turns any failure
+    while reading a body into 400. (Starlette's own RequestBodyLimitMiddleware answers a declared
+    length in plain text, not in OpenAI's shape.)"""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -116,26 +121,31 @@ class BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(scope, receive, send)
             return
-        seen = 0
-
-        async def counted() -> dict:
-            nonlocal seen
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge()
-            return message
+            if message["type"] == "http.disconnect":
+                return  # the client is gone: nobody to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
 
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await self._refuse(scope, receive, send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: disconnects, as the app would see them
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         error = APIError(413, f"The request body is larger than {self.max_bytes} bytes.", code="request_too_large")
         await error.response()(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass

@@ -1,0 +1,145 @@
+"""What one API request can do to everyone else, through a real `python -m engine.serve` (the
+engine core in its own process, as served): heavy text work never stalls other users' streams,
+a prompt that cannot fit is refused before it is tokenized, and a body over the limit gets 413 in
+OpenAI's shape however it is sent."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from engine_servers import EngineServer
+
+from engine.api.server import MAX_BODY_BYTES
+
+MAX_MODEL_LEN = 1024  # the tiny model's (tests/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def server(deep_model_dir, tmp_path_factory):
+    """The deep tiny model: slow enough per token that one reply streams for many seconds."""
+    served = EngineServer(deep_model_dir, tmp_path_factory.mktemp("engine-logs")).start(timeout=180)
+    yield served
+    served.stop()
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.01)
+
+
+class StreamClock:
+    """A streamed chat reply read on a thread of its own, noting when each chunk arrived."""
+
+    def __init__(self, url: str) -> None:
+        self.arrivals: list[float] = []
+        self.finished = threading.Event()
+        self._stop = threading.Event()
+        body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 900,
+                "ignore_eos": True, "temperature": 0.0, "stream": True}
+        self._thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
+        self._thread.start()
+
+    def _read(self, url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as reply:
+                for line in reply.iter_lines():
+                    if line.startswith("data:"):
+                        self.arrivals.append(time.monotonic())
+                    if self._stop.is_set():
+                        return
+        finally:
+            self.finished.set()
+
+    def largest_gap(self, start: float, end: float) -> float:
+        """The longest wait for a chunk anywhere in [start, end] (a chunk after `end` must have come)."""
+        times = [start] + [t for t in self.arrivals if start < t < end] + [next(t for t in self.arrivals if t >= end)]
+        return max(b - a for a, b in zip(times, times[1:]))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+
+# ---- heavy text work stays off the event loop ---------------------------------------------------------
+def test_a_large_tokenize_does_not_stall_another_users_stream(server):
+    stream = StreamClock(server.url)
+    try:
+        wait_for(lambda: len(stream.arrivals) >= 5, 120, "the stream's first chunks")
+        prompt = "Paged attention keeps every sequence's keys in fixed-size blocks. " * 30_000  # 2 MB
+        start = time.monotonic()
+        answer = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}, timeout=300)
+        end = time.monotonic()
+        assert answer.status_code == 200, answer.text[:500]
+        assert answer.json()["count"] > 100_000
+        wait_for(lambda: stream.arrivals[-1] > end or stream.finished.is_set(), 60, "a chunk after the tokenize")
+        assert not stream.finished.is_set() or stream.arrivals[-1] > end, "the stream ended before the tokenize did"
+        gap, took = stream.largest_gap(start, end), end - start
+        # On the event loop the whole tokenize is one gap; off it the stream keeps its pace.
+        assert gap < took / 4, f"the stream waited {gap:.2f} s for a chunk while a tokenize took {took:.2f} s"
+    finally:
+        stream.close()
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(server, tokenizer):
+    prompt = "word " * 400_000  # 2 MB: tokenizing it takes seconds
+    start = time.monotonic()
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}, timeout=300)
+    took_tokenizing = time.monotonic() - start
+    assert tokenized.status_code == 200 and tokenized.json()["count"] > MAX_MODEL_LEN
+    longest = max(len(token) for token in tokenizer.get_vocab())
+    for path, body, param in (("/v1/completions", {"prompt": prompt, "max_tokens": 2}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
+                                                        "max_tokens": 2}, "messages")):
+        start = time.monotonic()
+        refused = httpx.post(f"{server.url}{path}", json=body, timeout=300)
+        took = time.monotonic() - start
+        error = error_of(refused)
+        assert refused.status_code == 400 and error["param"] == param, refused.text
+        assert "characters" in error["message"] and f"max_model_len={MAX_MODEL_LEN}" in error["message"], error
+        assert f"{MAX_MODEL_LEN * longest}" in error["message"], error
+        assert took < took_tokenizing / 4, f"{path} took {took:.2f} s to refuse; tokenizing took {took_tokenizing:.2f} s"
+    fits = httpx.post(f"{server.url}/v1/completions", json={"prompt": "A short one.", "max_tokens": 2}, timeout=60)
+    assert fits.status_code == 200, fits.text
+
+
+# ---- the body limit -----------------------------------------------------------------------------------
+def chat_body(padding: int) -> bytes:
+    """A small chat request whose ignored `padding` field makes the body `padding` bytes longer."""
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "padding": ""})
+    return body[:-2].encode() + b"a" * padding + b'"}'
+
+
+def in_chunks(data: bytes, size: int = 256 * 1024):
+    """A generator body: httpx sends it chunked, with no Content-Length."""
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_body_over_the_limit_is_413_however_it_is_sent(server, chunked):
+    over = chat_body(MAX_BODY_BYTES)
+    under = chat_body(MAX_BODY_BYTES - len(chat_body(0)) - 1)
+    assert len(over) > MAX_BODY_BYTES >= len(under)
+    headers = {"content-type": "application/json"}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        refused = httpx.post(f"{server.url}{path}", content=in_chunks(over) if chunked else over, headers=headers,
+                             timeout=120)
+        assert refused.status_code == 413, (path, refused.status_code, refused.text[:300])
+        error = error_of(refused)
+        assert f"larger than {MAX_BODY_BYTES} bytes" in error["message"] and error["code"] == "request_too_large", error
+    taken = httpx.post(f"{server.url}/v1/chat/completions", content=in_chunks(under) if chunked else under,
+                       headers=headers, timeout=120)
+    assert taken.status_code == 200, taken.text[:300]
+    assert taken.json()["choices"][0]["message"]["role"] == "assistant"
+    assert httpx.get(f"{server.url}/health").status_code == 200
