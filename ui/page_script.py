@@ -1,9 +1,12 @@
 """The chat page's script and style: what Gradio's components cannot do on their own.
 
-- Copy: the chatbot holds a message as escaped text plus a footer (ui/render.py); its copy
-  button writes that string. The script hands the clipboard the message's source instead: a
-  reply's base64 `data-source`, or a user message's text with the footer dropped and the
-  escaping undone (outside code, as `render.source_of` does).
+- Copy: the chatbot holds a message as escaped text plus a footer (ui/render.py); its Copy
+  button writes that string. For that button only (a click in a message's row of buttons arms
+  the clipboard for the one write it makes) the script hands the clipboard the message's source
+  instead: a reply's base64 `data-source` from the footer the app appended last (a reply's own
+  text may contain `data-source="…"` too, so only the one at the very end counts), or a user
+  message's text with the footer dropped and the escaping undone (outside code, as
+  `render.source_of` does). Every other write (a code block's copy button) is left as it is.
 - Versions: a click on a `‹`/`›` link puts "<message id>:<time>" into the hidden `#pc-version`
   box, whose change event asks the server to show that version.
 - Esc presses Stop while a reply streams (Enter and Shift+Enter are the message box's own).
@@ -25,17 +28,37 @@ HEAD = """
   if (window.pagedchatScript) return;
   window.pagedchatScript = true;
   const CODE = /(```[\\s\\S]*?(?:```|$)|`[^`\\n]+`)/;
-  const FOOTER = /\\n\\n<div class="pc-meta">[\\s\\S]*<\\/div>$/;
-  const SOURCE = /data-source="([A-Za-z0-9+\\/=]*)"/;
+  // The app's footer is one line, always last; a reply's source is the footer's last element.
+  const FOOTER = /\\n\\n<div class="pc-meta">[^\\n]*<\\/div>$/;
+  const SOURCE = /<span class="pc-source" data-source="([A-Za-z0-9+\\/=]*)"><\\/span><\\/div>$/;
   const unescape = (text) => text.replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&");
-  const source = (shown) => {
-    const encoded = SOURCE.exec(shown);
+  const source = (shown, role) => {
+    const encoded = role === "bot" && SOURCE.exec(shown);
     if (encoded) return new TextDecoder().decode(Uint8Array.from(atob(encoded[1]), (c) => c.charCodeAt(0)));
     return shown.replace(FOOTER, "").split(CODE).map((part, i) => (i % 2 ? part : unescape(part))).join("");
   };
+  // Whose message the chatbot's Copy button is copying ("bot" or "user"), for the one clipboard
+  // write its click makes (synchronously, within the click's dispatch); null for any other write.
+  let copying = null;
+  const roleOf = (buttons) => {
+    let row = buttons.previousElementSibling;
+    while (row && !row.classList.contains("message-row")) row = row.previousElementSibling;
+    const bubble = row && row.querySelector('[data-testid="bot"], [data-testid="user"]');
+    return bubble ? bubble.getAttribute("data-testid") : null;
+  };
+  document.addEventListener("click", (event) => {
+    const button = event.target.closest && event.target.closest("#CHATBOT .message-buttons button");
+    if (!button) return;
+    copying = roleOf(button.closest(".message-buttons"));
+    setTimeout(() => { copying = null; });  // after the click's handlers: an unused arming expires
+  }, true);
   if (navigator.clipboard) {
     const write = navigator.clipboard.writeText.bind(navigator.clipboard);
-    navigator.clipboard.writeText = (text) => write(source(String(text)));
+    navigator.clipboard.writeText = (text) => {
+      const role = copying;
+      copying = null;
+      return write(role ? source(String(text), role) : text);
+    };
   }
   document.addEventListener("click", (event) => {
     const link = event.target.closest && event.target.closest('a[href^="#pc-version-"]');
@@ -65,7 +88,8 @@ HEAD = """
   });
 })();
 </script>
-""".replace("VERSION_BOX", VERSION_BOX).replace("STOP_BUTTON", STOP_BUTTON).replace("NARROW_PX", str(NARROW_PX))
+""".replace("VERSION_BOX", VERSION_BOX).replace("STOP_BUTTON", STOP_BUTTON).replace("NARROW_PX", str(NARROW_PX)).replace(
+    "CHATBOT", CHATBOT)
 
 CSS = """
 .pc-hidden { display: none !important; }

@@ -15,7 +15,9 @@ CODE = re.compile(r"(```.*?(?:```|\Z)|`[^`\n]+`)", re.DOTALL)
 
 
 VERSION_LINK = "#pc-version-"  # an arrow's href: this prefix, then the message id to show
-FOOTER = re.compile(r'\n\n<div class="pc-meta">.*</div>\Z', re.DOTALL)
+# The footer is one line, the last; a reply's source span is its last element (the page's script
+# trusts only a `data-source` there, since a reply's own text may contain one).
+FOOTER = re.compile(r'\n\n<div class="pc-meta">[^\n]*</div>\Z')
 
 
 def as_text_markdown(text: str) -> str:
