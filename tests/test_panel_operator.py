@@ -13,41 +13,62 @@ import pytest
 from ui.panel.operator import OWNER_ENV, TOKEN_ENV, is_loopback, may_operate
 
 TOKEN = "s3cret-token"
+DIRECT = ("127.0.0.1", {})  # a request made on this machine: a loopback peer, no proxy's header
+ELSEWHERE = ("203.0.113.7", {})
+
+
+def operates(host, profile_username=None, given_token=None, env=None, request=DIRECT) -> bool:
+    peer, headers = request
+    return may_operate(host, peer, headers, profile_username, given_token, env or {})
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost", "LOCALHOST"])
 def test_an_app_bound_to_loopback_is_the_operators_own(host):
-    assert is_loopback(host) and may_operate(host, None, None, {})
+    assert is_loopback(host) and operates(host) and operates(host, request=("::1", {}))
+
+
+@pytest.mark.parametrize("headers", [{"X-Forwarded-For": "203.0.113.7"}, {"x-forwarded-for": "127.0.0.1"},
+                                     {"Forwarded": "for=203.0.113.7"}, {"X-Real-IP": "203.0.113.7"},
+                                     {"X-Forwarded-Host": "chat.example.com"}, {"X-Forwarded-Proto": "https"}])
+def test_a_request_through_a_proxy_on_this_machine_is_a_visitor(headers):
+    # nginx or Caddy in front of an app on 127.0.0.1: the peer is loopback, the request anyone's.
+    assert not operates("127.0.0.1", request=("127.0.0.1", headers))
+    assert operates("127.0.0.1", given_token=TOKEN, env={TOKEN_ENV: TOKEN}, request=("127.0.0.1", headers))
+
+
+def test_on_a_loopback_bind_a_peer_from_elsewhere_is_a_visitor():
+    for peer in ("203.0.113.7", "10.0.0.2", "testclient", "", None):
+        assert not operates("127.0.0.1", request=(peer, {}))
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.5", "10.0.0.1", "example.com", "", None])
 def test_an_app_bound_elsewhere_lets_in_no_one_by_default(host):
     assert not is_loopback(host)
-    assert not may_operate(host, None, None, {})
-    assert not may_operate(host, "someone", "a guess", {})
+    assert not operates(host)  # not even a request from this machine
+    assert not operates(host, "someone", "a guess", request=ELSEWHERE)
 
 
 def test_the_spaces_owner_may_operate_and_no_one_else():
     env = {OWNER_ENV: "ada"}
-    assert may_operate("0.0.0.0", "ada", None, env)
+    assert operates("0.0.0.0", "ada", env=env, request=ELSEWHERE)
     for other in ("Ada", "ada2", "", None):
-        assert not may_operate("0.0.0.0", other, None, env)
-    assert not may_operate("0.0.0.0", "ada", None, {OWNER_ENV: ""})  # no owner set: no one by that way
+        assert not operates("0.0.0.0", other, env=env, request=ELSEWHERE)
+    assert not operates("0.0.0.0", "ada", env={OWNER_ENV: ""})  # no owner set: no one by that way
 
 
 def test_on_a_space_a_loopback_bind_makes_no_visitor_the_operator():
     env = {"SPACE_ID": "ada/pagedchat", OWNER_ENV: "ada"}
-    assert not may_operate("127.0.0.1", None, None, env) and not may_operate("127.0.0.1", "bob", None, env)
-    assert may_operate("127.0.0.1", "ada", None, env)
+    assert not operates("127.0.0.1", env=env) and not operates("127.0.0.1", "bob", env=env)
+    assert operates("127.0.0.1", "ada", env=env)
 
 
 def test_the_admin_token_lets_in_whoever_gives_it():
     env = {TOKEN_ENV: TOKEN}
-    assert may_operate("0.0.0.0", None, TOKEN, env)
+    assert operates("0.0.0.0", None, TOKEN, env, ELSEWHERE)
     for wrong in (TOKEN + " ", TOKEN[:-1], "", None, "\ud800"):
-        assert not may_operate("0.0.0.0", None, wrong, env)
-    assert not may_operate("0.0.0.0", None, "", {TOKEN_ENV: ""})  # an empty token is no token
-    assert not may_operate("0.0.0.0", "ada", TOKEN, {})
+        assert not operates("0.0.0.0", None, wrong, env, ELSEWHERE)
+    assert not operates("0.0.0.0", None, "", {TOKEN_ENV: ""})  # an empty token is no token
+    assert not operates("0.0.0.0", "ada", TOKEN, {})
 
 
 # ---- through a real server ------------------------------------------------------------------------

@@ -56,10 +56,12 @@ def build_panel(backend: ChatBackend, feed: PanelFeed | None = None, load: LoadG
                 host: str = "127.0.0.1", env: Mapping[str, str] = os.environ) -> None:
     """Declare the panel in the current Blocks (or page) context: the backends' rows, then the
     in-process engine's detail when `feed` and `load` watch one. `host`: the address the app is
-    bound to; with `env` (read at each call), it decides who sees owners and hashes and who may
-    run the load generator (ui/panel/operator.py)."""
-    def operating(token: str | None, profile: gr.OAuthProfile | None) -> bool:
-        return operator.may_operate(host, profile.username if profile is not None else None, token, env)
+    bound to; with `env` (read at each call) and each event's request, it decides who sees owners
+    and hashes and who may run the load generator (ui/panel/operator.py)."""
+    def operating(token: str | None, profile: gr.OAuthProfile | None, request: gr.Request | None) -> bool:
+        peer = request.client.host if request is not None and request.client is not None else None
+        return operator.may_operate(host, peer, request.headers if request is not None else {},
+                                    profile.username if profile is not None else None, token, env)
 
     gr.HTML(f"<style>{panel_view.PANEL_CSS}{CLUSTER_CSS}</style>", padding=False)  # the styles of the HTML below
     intro = ("The KV cache as the scheduler moves it, refreshed every second. The operator's load generator "
@@ -84,14 +86,14 @@ def build_panel(backend: ChatBackend, feed: PanelFeed | None = None, load: LoadG
         maps = []
         for status in statuses[:len(remote_maps)]:
             found = backend.block_map(status.name) if status.up else None
-            maps.append(panel_view.block_map_html(*found, show_private=operating(token, profile),
+            maps.append(panel_view.block_map_html(*found, show_private=operating(token, profile, request),
                                                   marked=marked_chat(request)) if found
                         else panel_view.no_block_map_html(status.name, None if status.up else status.problem))
         return cluster_html(statuses, time.time()), *maps
 
-    def on_open(profile: gr.OAuthProfile | None = None):
+    def on_open(profile: gr.OAuthProfile | None = None, request: gr.Request | None = None):
         """The token box for whoever is not the operator yet, if a token is set."""
-        return gr.Textbox(visible=not operating(None, profile) and bool(env.get(operator.TOKEN_ENV)))
+        return gr.Textbox(visible=not operating(None, profile, request) and bool(env.get(operator.TOKEN_ENV)))
 
     token = gr.Textbox(label="Admin token (to see owners and run the load generator)", type="password",
                        visible=False, elem_id="admin-token")
@@ -107,16 +109,16 @@ def _engine_detail(feed: PanelFeed, load: LoadGenerator, token: gr.Textbox, oper
     client = feed.client
     info = client.info()
 
-    def checked_operator(token: str | None, profile: gr.OAuthProfile | None) -> None:
-        if not operating(token, profile):
+    def checked_operator(token: str | None, profile: gr.OAuthProfile | None, request: gr.Request | None) -> None:
+        if not operating(token, profile, request):
             raise gr.Error(operator.REFUSAL)
 
-    def on_open(profile: gr.OAuthProfile | None = None):
+    def on_open(profile: gr.OAuthProfile | None = None, request: gr.Request | None = None):
         """The load generator's controls, for the operator only."""
-        return gr.Row(visible=operating(None, profile))
+        return gr.Row(visible=operating(None, profile, request))
 
-    def on_token(token: str, profile: gr.OAuthProfile | None = None):
-        allowed = operating(token, profile)
+    def on_token(token: str, profile: gr.OAuthProfile | None = None, request: gr.Request | None = None):
+        allowed = operating(token, profile, request)
         if token and not allowed:
             gr.Warning("That is not the admin token.")
         return gr.Row(visible=allowed)
@@ -131,7 +133,8 @@ def _engine_detail(feed: PanelFeed, load: LoadGenerator, token: gr.Textbox, oper
             # The map is the page's largest update (~0.5 MB at 4k blocks): resend it only when it
             # changed, which also keeps a hovered cell's tooltip up while the engine is idle. The
             # operator's map differs from a visitor's, so giving the token resends it.
-            html = panel_view.block_map_html(feed.block_map(), info, show_private=operating(token, profile),
+            html = panel_view.block_map_html(feed.block_map(), info,
+                                             show_private=operating(token, profile, request),
                                              marked=marked_chat(request))
             if hash(html) != shown:
                 grid, shown = html, hash(html)
@@ -139,16 +142,17 @@ def _engine_detail(feed: PanelFeed, load: LoadGenerator, token: gr.Textbox, oper
                 panel_view.load_status_html(load.status()), shown)
 
     def on_start(users: float, prompt: str, max_tokens: float, token: str | None = None,
-                 profile: gr.OAuthProfile | None = None):
-        checked_operator(token, profile)
+                 profile: gr.OAuthProfile | None = None, request: gr.Request | None = None):
+        checked_operator(token, profile, request)
         try:
             load.start(int(users), LOAD_PROMPTS.get(prompt, LOAD_SYSTEM_PROMPT), int(max_tokens))
         except ValueError as error:
             raise gr.Error(str(error)) from None
         return panel_view.load_status_html(load.status())
 
-    def on_stop(token: str | None = None, profile: gr.OAuthProfile | None = None):
-        checked_operator(token, profile)
+    def on_stop(token: str | None = None, profile: gr.OAuthProfile | None = None,
+                request: gr.Request | None = None):
+        checked_operator(token, profile, request)
         load.stop()
         return panel_view.load_status_html(load.status())
 
