@@ -1,6 +1,11 @@
 """`/v1/chat/completions` and `/v1/completions`: a request becomes one engine request per prompt
 (n samples each), whose deltas become OpenAI's response, streamed as server-sent events or whole.
 
+A request's `cache_salt` is the caller's own: the engine gets it under the caller's name
+(`api:<caller>:<salt>`, engine/api/access.py's `api_caller`), so no API caller can name a salt the
+chat page gives its users (`anon:…`, `hf:…`) or another key's, and so test guesses about their
+prompts by what hits the prefix cache.
+
 Choice `i` of a text completion with several prompts is prompt `i // n`, sample `i % n`, as in
 OpenAI's API. A client that disconnects cancels the handler's task: the engine client aborts its
 requests at once and their blocks return (non-streaming requests are watched for it too).
@@ -18,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
+from engine.api.access import api_caller
 from engine.api.errors import APIError, bad_request
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from engine.frontend.request_streams import StreamingClient
@@ -104,7 +110,8 @@ class Completions:
 
         try:
             shared = min(getattr(body, "num_shared_messages", 0), len(prompts[0]) if reply.chat else 0)
-            streams = [await self.client.asubmit(prompt, params, request_id=request_id, cache_salt=body.cache_salt,
+            salt = callers_salt(api_caller(request), body.cache_salt)
+            streams = [await self.client.asubmit(prompt, params, request_id=request_id, cache_salt=salt,
                                                  num_shared_messages=shared)
                        for request_id, prompt in zip(request_ids, prompts)]
         except ValueError as error:  # a prompt the engine refuses: empty, or longer than it can hold
@@ -259,6 +266,12 @@ class _Reply:
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
+
+
+def callers_salt(caller: str, cache_salt: str | None) -> str | None:
+    """The engine's salt for a request's `cache_salt`, in the API's namespace under its caller;
+    None (no salt: the prefix cache shared, as on vLLM) stays None."""
+    return None if cache_salt is None else f"api:{caller}:{cache_salt}"
 
 
 def _event(payload: dict) -> str:

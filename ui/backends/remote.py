@@ -5,7 +5,10 @@ The monitor reads `/health`, `/v1/models` and `/metrics`, and `/v1/kv_cache` whe
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
@@ -22,6 +25,9 @@ PROBE_TIMEOUT_S = 3.0
 # Between two streamed chunks. Long: a busy server may queue a request for minutes before its first token.
 READ_TIMEOUT_S = 600.0
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+# Keys the salt a user's chats are cached under on a remote server (`users_salt`). This process's
+# own: after a restart a user's blocks there are no longer hit, which costs one prompt's compute.
+_SALT_KEY = secrets.token_bytes(32)
 
 
 class RemoteEndpoint:
@@ -204,7 +210,7 @@ def chat_body(model: str, messages: list[dict], params: SamplingParams, user: st
               num_shared_messages: int) -> dict:
     """The request: OpenAI's fields, vLLM's `top_k` and `cache_salt` (others ignore what they do
     not know), and PagedChat's `num_shared_messages`, which keeps a preset system prompt's blocks
-    shared across users while the rest of the chat is salted to its user."""
+    shared across users while the rest of the chat is salted to its user (`users_salt`)."""
     body = {"model": model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
     if params.top_k > 0:
@@ -214,9 +220,17 @@ def chat_body(model: str, messages: list[dict], params: SamplingParams, user: st
     if params.stop:
         body["stop"] = list(params.stop)
     if user:
-        body["cache_salt"] = user
+        body["cache_salt"] = users_salt(user)
         body["num_shared_messages"] = num_shared_messages
     return body
+
+
+def users_salt(user: str) -> str:
+    """The `cache_salt` a user's chats go by on a remote server: one per user, that only this app
+    can make. The server's other API callers may know the user's id (an `hf:` name is public) and
+    hold the same key, but cannot name this salt, so they cannot test guesses about the user's
+    prompts by what hits its prefix cache. (PagedChat's API also keeps each key's salts apart.)"""
+    return hmac.new(_SALT_KEY, user.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
 
 
 def error_message(body: bytes, status: int) -> str:
