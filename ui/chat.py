@@ -96,7 +96,8 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
         user = identity.resolve_user(user_id, profile)
         with shown_to_user():
             views = await asyncio.to_thread(chat.send, user, conversation_id, message,
-                                            presets.system_prompt(preset, custom), (temperature, top_p, max_tokens))
+                                            presets.system_prompt(preset, custom), (temperature, top_p, max_tokens),
+                                            identity.origin_of(request))
         # A refused message stays in the box, to be shortened.
         async for outputs in relay(views, lambda view: (*chat_and_id(view), message if view.refused else ""),
                                    gone(request)):
@@ -107,7 +108,8 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
                             profile: gr.OAuthProfile | None = None) -> AsyncIterator[tuple]:
         user = identity.resolve_user(user_id, profile)
         with shown_to_user():
-            views = await asyncio.to_thread(chat.regenerate, user, conversation_id, (temperature, top_p, max_tokens))
+            views = await asyncio.to_thread(chat.regenerate, user, conversation_id, (temperature, top_p, max_tokens),
+                                            identity.origin_of(request))
         async for outputs in relay(views, chat_and_id, gone(request)):
             yield outputs
 
@@ -117,7 +119,7 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
         user = identity.resolve_user(user_id, profile)
         with shown_to_user():
             views = await asyncio.to_thread(chat.edit_last, user, conversation_id, edited,
-                                            (temperature, top_p, max_tokens))
+                                            (temperature, top_p, max_tokens), identity.origin_of(request))
         async for outputs in relay(views, chat_and_id, gone(request)):
             yield outputs
 
@@ -129,7 +131,7 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
         index = edit.index if isinstance(edit.index, int) else None
         with shown_to_user():
             views = await asyncio.to_thread(chat.edit_message, user, conversation_id, index, edit.value,
-                                            (temperature, top_p, max_tokens))
+                                            (temperature, top_p, max_tokens), origin=identity.origin_of(request))
         async for outputs in relay(views, chat_and_id, gone(request)):
             yield outputs
 
@@ -250,10 +252,12 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
                 "This chat now refuses a turn that would not fit, and says so.")
 
     async def on_continue(user_id: str, conversation_id: int | None, temperature: float, top_p: float,
-                          max_tokens: float, query: str, profile: gr.OAuthProfile | None = None):
+                          max_tokens: float, query: str, request: gr.Request,
+                          profile: gr.OAuthProfile | None = None):
         user = identity.resolve_user(user_id, profile)
         with shown_to_user():
-            new_id = await chat.continue_with_summary(user, conversation_id, (temperature, top_p, max_tokens))
+            new_id = await chat.continue_with_summary(user, conversation_id, (temperature, top_p, max_tokens),
+                                                      identity.origin_of(request))
             opened = await asyncio.to_thread(chat.open_chat, user, new_id)
         gr.Info("A new chat carries a summary of the old one in its system prompt (under the parameters).")
         return (opened.messages, new_id, opened.preset, opened.custom, opened.title, opened.last_user_message,

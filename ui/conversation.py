@@ -7,8 +7,10 @@ user's, missing or not a whole number (the store's `NotFound`, worded so as neve
 A reply is an async iterator of `ChatView`s: the page shows each as it comes, and waiting for the
 next token holds no thread. Closing it mid-reply, or cancelling the task that reads it (the Stop
 button, a browser gone), aborts the engine request and stores the partial reply as stopped. A
-conversation has one reply in progress at a time, and a user at most MAX_REPLIES_PER_USER: a
-turn beyond either is refused with a message, before anything is stored.
+conversation has one reply in progress at a time; a user at most MAX_REPLIES_PER_USER, and since
+an anonymous user id is whatever the browser (or a script) says, so has a page (Gradio session)
+and a client address at most MAX_REPLIES_PER_SESSION and MAX_REPLIES_PER_ADDRESS (the turn's
+`Origin`). A turn beyond any of them is refused with a message, before anything is stored.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -55,6 +58,12 @@ NOT_YOURS = "That conversation doesn't exist or isn't yours."
 BUSY = "A reply is still being written in this chat: wait for it or press Stop."
 TOO_MANY = (f"You already have {MAX_REPLIES_PER_USER} replies being written: wait for one to finish "
             "(or stop one), then try again. Nothing was sent.")
+MAX_REPLIES_PER_SESSION = MAX_REPLIES_PER_USER  # per page (Gradio session): one page is one user
+MAX_REPLIES_PER_ADDRESS = 16  # per client address: a few people behind one network, or one script
+TOO_MANY_IN_PAGE = (f"This page already has {MAX_REPLIES_PER_SESSION} replies being written: wait for one to "
+                    "finish (or stop one), then try again. Nothing was sent.")
+TOO_MANY_FROM_ADDRESS = (f"{MAX_REPLIES_PER_ADDRESS} replies are already being written for your network address: "
+                         "wait for one to finish (or stop one), then try again. Nothing was sent.")
 UNSAVED_MESSAGE = "Your message could not be saved (a storage error): nothing was sent. Try again in a moment."
 UNSAVED_REPLY = ("This reply could not be saved (a storage error): it is shown here, but it will not be in "
                  "the chat when you open it again. Copy what you need, or regenerate it.")
@@ -106,14 +115,26 @@ class OpenedChat(NamedTuple):
     last_user_message: str
 
 
-class Turn:
-    """One reply's hold on its user's reply slot and its conversation; `release()` may be called
-    any number of times."""
+@dataclass(frozen=True)
+class Origin:
+    """Where a turn comes from, beyond the user id it claims: its page (Gradio's session hash)
+    and its client's address (ui/identity.py's `origin_of`). None where unknown, and an address
+    of None for a request made on this machine itself, which is not limited per address."""
+    session: str | None = None
+    address: str | None = None
 
-    def __init__(self, turns: Turns, user: str) -> None:
+
+ANYWHERE = Origin()  # a caller in this process (tests, tools): limited per user only
+
+
+class Turn:
+    """One reply's hold on its reply slots (its user's, page's and address's) and its
+    conversation; `release()` may be called any number of times."""
+
+    def __init__(self, turns: Turns, user: str, slots: list[tuple[str, str]]) -> None:
         self._turns, self.user = turns, user
         self._held: list[int] = []
-        self._has_slot = True  # Turns.start took it
+        self._slots = slots  # Turns.start took them
         self._lock = threading.Lock()
 
     def hold(self, conversation_id: int) -> None:
@@ -125,32 +146,40 @@ class Turn:
     def release(self) -> None:
         with self._lock:
             held, self._held = self._held, []
-            had_slot, self._has_slot = self._has_slot, False
+            slots, self._slots = self._slots, []
         for conversation_id in held:
             self._turns._release(self.user, conversation_id)
-        if had_slot:
-            self._turns._free_slot(self.user)
+        self._turns._free_slots(slots)
 
 
 class Turns:
-    """The replies in progress: one per conversation, at most `max_per_user` per user;
-    thread-safe. Conversations are keyed with their owner, so asking about another user's id
-    says nothing."""
+    """The replies in progress: one per conversation, at most `max_per_user` per user, and as
+    many per page and per client address; thread-safe. Conversations are keyed with their owner,
+    so asking about another user's id says nothing."""
 
-    def __init__(self, max_per_user: int = MAX_REPLIES_PER_USER) -> None:
-        self.max_per_user = max_per_user
+    def __init__(self, max_per_user: int = MAX_REPLIES_PER_USER, max_per_session: int = MAX_REPLIES_PER_SESSION,
+                 max_per_address: int = MAX_REPLIES_PER_ADDRESS) -> None:
+        # slot kind -> (most at once, the refusal beyond it)
+        self._limits = {"user": (max_per_user, TOO_MANY), "session": (max_per_session, TOO_MANY_IN_PAGE),
+                        "address": (max_per_address, TOO_MANY_FROM_ADDRESS)}
         self._lock = threading.Lock()
         self._ending: dict[tuple[str, int], threading.Event] = {}
-        self._per_user: dict[str, int] = {}
+        self._in_progress: dict[tuple[str, str], int] = {}  # (kind, key) -> replies in progress
 
-    def start(self, user: str, conversation_id: int | None) -> Turn:
-        """A turn holding one of the user's slots and `conversation_id` (a new conversation is
-        held once created); TOO_MANY or BUSY if it may not start."""
+    def start(self, user: str, conversation_id: int | None, origin: Origin = ANYWHERE) -> Turn:
+        """A turn holding a slot of the user's, of its page's and of its address's, and
+        `conversation_id` (a new conversation is held once created); TOO_MANY (or the page's or
+        the address's refusal) or BUSY if it may not start."""
+        slots = [("user", user)] + [(kind, key) for kind, key in (("session", origin.session),
+                                                                 ("address", origin.address)) if key]
         with self._lock:
-            if self._per_user.get(user, 0) >= self.max_per_user:
-                raise ChatInputError(TOO_MANY)
-            self._per_user[user] = self._per_user.get(user, 0) + 1
-        turn = Turn(self, user)
+            for slot in slots:
+                most, refusal = self._limits[slot[0]]
+                if self._in_progress.get(slot, 0) >= most:
+                    raise ChatInputError(refusal)
+            for slot in slots:
+                self._in_progress[slot] = self._in_progress.get(slot, 0) + 1
+        turn = Turn(self, user, slots)
         if conversation_id is not None:
             try:
                 turn.hold(conversation_id)
@@ -166,7 +195,7 @@ class Turns:
     def in_progress(self, user: str) -> int:
         """The user's replies in progress now."""
         with self._lock:
-            return self._per_user.get(user, 0)
+            return self._in_progress.get(("user", user), 0)
 
     def wait(self, user: str, conversation_id: int | None, timeout: float) -> None:
         """Until the conversation's reply (if any) has ended and been stored, or `timeout`."""
@@ -186,13 +215,14 @@ class Turns:
             ended = self._ending.pop((user, conversation_id))
         ended.set()
 
-    def _free_slot(self, user: str) -> None:
+    def _free_slots(self, slots: list[tuple[str, str]]) -> None:
         with self._lock:
-            left = self._per_user[user] - 1
-            if left:
-                self._per_user[user] = left
-            else:
-                del self._per_user[user]
+            for slot in slots:
+                left = self._in_progress[slot] - 1
+                if left:
+                    self._in_progress[slot] = left
+                else:
+                    del self._in_progress[slot]
 
 
 class ReplyViews(AsyncIterator[ChatView]):
@@ -322,7 +352,8 @@ class ChatController:
             raise ChatInputError("Send a message first: the choice is kept with the chat.")
         self.store.set_fit_context(user, conversation_id, bool(on))
 
-    async def continue_with_summary(self, user: str, conversation_id: int | None, sliders: Sliders) -> int:
+    async def continue_with_summary(self, user: str, conversation_id: int | None, sliders: Sliders,
+                                    origin: Origin = ANYWHERE) -> int:
         """A new chat that carries this one on: the model summarizes it (not stored here), and the
         summary joins the system prompt of the new chat, which is returned (its id) empty and
         ready for the next message. Refused while this chat has a reply in progress."""
@@ -330,7 +361,7 @@ class ChatController:
         if conversation_id is None:
             raise ChatInputError("Open a chat to continue it.")
         sampling = checked_sampling((sliders[0], sliders[1], SUMMARY_TOKENS))
-        turn = self._turns.start(user, conversation_id)
+        turn = self._turns.start(user, conversation_id, origin)
         try:
             with found():
                 conversation = await asyncio.to_thread(self.store.conversation, user, conversation_id)
@@ -406,7 +437,7 @@ class ChatController:
     # ---- replies: each says what differs, `_reply` does the rest -------------------------------
     @owned
     def send(self, user: str, conversation_id: int | None, message: str, system_prompt: str,
-             sliders: Sliders) -> ReplyViews:
+             sliders: Sliders, origin: Origin = ANYWHERE) -> ReplyViews:
         """A new user message and its reply; the first one creates the conversation, titled
         from the message. A prompt the engine refuses stores nothing."""
         conversation_id = checked_id(conversation_id)
@@ -415,7 +446,7 @@ class ChatController:
         if not text:
             raise ChatInputError("Type a message first.")
         sampling = checked_sampling(sliders)
-        with self._turn(user, conversation_id) as turn:
+        with self._turn(user, conversation_id, origin) as turn:
             rows = self._rows(user, conversation_id) + [{"role": "user", "content": text}]
             return self._reply(turn, user, conversation_id, system_prompt, rows, sampling,
                                functools.partial(self._store_message, user, conversation_id, text, system_prompt),
@@ -434,11 +465,12 @@ class ChatController:
         return conversation_id
 
     @owned
-    def regenerate(self, user: str, conversation_id: int | None, sliders: Sliders) -> ReplyViews:
+    def regenerate(self, user: str, conversation_id: int | None, sliders: Sliders,
+                   origin: Origin = ANYWHERE) -> ReplyViews:
         """A new reply in place of the last one (or a reply to a last message that has none)."""
         conversation_id = checked_id(conversation_id)
         sampling = checked_sampling(sliders)
-        with self._turn(user, conversation_id) as turn:
+        with self._turn(user, conversation_id, origin) as turn:
             rows = self._rows(user, conversation_id)
             if not rows:
                 raise ChatInputError("Nothing to regenerate yet.")
@@ -448,15 +480,17 @@ class ChatController:
                                self._replace_reply if replacing else self._add_reply)
 
     @owned
-    def edit_last(self, user: str, conversation_id: int | None, edited: str, sliders: Sliders) -> ReplyViews:
+    def edit_last(self, user: str, conversation_id: int | None, edited: str, sliders: Sliders,
+                  origin: Origin = ANYWHERE) -> ReplyViews:
         """The user's last message replaced by `edited` and a new reply (the old version and its
         reply are kept, as `edit_message` keeps them)."""
         rows = self._rows(user, checked_id(conversation_id))
-        return self.edit_message(user, conversation_id, last_user_index(rows), edited, sliders, shown_text=False)
+        return self.edit_message(user, conversation_id, last_user_index(rows), edited, sliders, shown_text=False,
+                                 origin=origin)
 
     @owned
     def edit_message(self, user: str, conversation_id: int | None, index: int | None, edited: str,
-                     sliders: Sliders, shown_text: bool = True) -> ReplyViews:
+                     sliders: Sliders, shown_text: bool = True, origin: Origin = ANYWHERE) -> ReplyViews:
         """A new version of the user message at `index` in the chat shown (the chatbot's edit
         gives its index and the box's text, which starts from the message as shown unless not
         `shown_text`): the chat forks there and the new version gets a reply. The old version
@@ -464,7 +498,7 @@ class ChatController:
         conversation_id = checked_id(conversation_id)
         text = checked_text(edited, "edited message")
         text = (render.source_of(text) if shown_text else text).strip()
-        with self._turn(user, conversation_id) as turn:
+        with self._turn(user, conversation_id, origin) as turn:
             rows = self._rows(user, conversation_id)
             if index is None or not isinstance(index, int) or not 0 <= index < len(rows) \
                     or rows[index]["role"] != "user" or not text:
@@ -496,10 +530,10 @@ class ChatController:
         return render.chat_messages(self.store.show_version(user, conversation_id, message_id))
 
     @contextmanager
-    def _turn(self, user: str, conversation_id: int | None) -> Iterator[Turn]:
+    def _turn(self, user: str, conversation_id: int | None, origin: Origin) -> Iterator[Turn]:
         """The conversation's turn, taken before the reply reads or stores anything (BUSY if
         another reply holds it); released here if the reply never gets going."""
-        turn = self._turns.start(user, conversation_id)
+        turn = self._turns.start(user, conversation_id, origin)
         try:
             yield turn
         except BaseException:

@@ -9,13 +9,22 @@ loses most of its visitors, and an anonymous visitor's chats are already private
 browser. Signing in moves the chats the browser wrote anonymously into the account (the browser
 holds their id, so they are the signer's to take), where they follow the user to other browsers;
 signing out leaves them with the account.
+
+Since an anonymous id is whatever the browser (or a script) says, a turn also has an `Origin`:
+its page and its client's address, which the chat's limits on replies in progress count too.
 """
 from __future__ import annotations
 
+import os
 import re
 import uuid
+from collections.abc import Mapping
 
 import gradio as gr
+
+from engine.api.access import client_address, made_here
+from ui.conversation import Origin
+from ui.space import on_space
 
 ANONYMOUS = re.compile(r"anon:[0-9a-f]{32}")
 
@@ -35,3 +44,16 @@ def resolve_user(claimed: str | None, profile: gr.OAuthProfile | None = None) ->
     if is_anonymous_id(claimed):
         return claimed
     raise gr.Error("Your browser session has no user id yet: reload the page.")
+
+
+def origin_of(request: gr.Request | None, env: Mapping[str, str] = os.environ) -> Origin:
+    """Where an event comes from: its Gradio session, and the client's address — the one a
+    proxy says it forwarded for where the peer is a proxy on this machine (or the Space's front,
+    whose visitors all come through it), else the peer's own. A request made on this machine
+    itself (a loopback peer, no proxy's header) has none: it is the operator's, or a benchmark's."""
+    if request is None:
+        return Origin()
+    peer = request.client.host if request.client is not None else None
+    headers = request.headers
+    address = None if made_here(peer, headers) else client_address(peer, headers, proxy_trusted=on_space(env))
+    return Origin(request.session_hash, address)
