@@ -36,6 +36,7 @@ from storage import Store, default_path, hub_backup
 from ui import backends
 from ui.backends.backend import ChatBackend
 from ui.chat import build_chat
+from ui.conversation import MAX_IMPORT_BYTES
 from ui.panel.load_generator import LoadGenerator
 from ui.panel.page import build_panel
 from ui.panel.feed import PanelFeed
@@ -93,7 +94,10 @@ def build_server(demo: gr.Blocks, client: StreamingClient | None, sessions: Sess
     with warnings.catch_warnings():
         # Gradio warns that SSR is off for a multi-page app; it is off by our choice anyway.
         warnings.filterwarnings("ignore", message="SSR mode is not supported", category=UserWarning)
-        return gr.mount_gradio_app(server, demo, path="/", ssr_mode=False, head=page_script.HEAD, css=page_script.CSS)
+        # Gradio refuses a larger upload (413) as it streams in, and deletes what it had written;
+        # the only upload the page takes is a chat to import.
+        return gr.mount_gradio_app(server, demo, path="/", ssr_mode=False, head=page_script.HEAD, css=page_script.CSS,
+                                   max_file_size=MAX_IMPORT_BYTES)
 
 
 class AppServer(uvicorn.Server):
