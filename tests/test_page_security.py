@@ -106,3 +106,57 @@ def test_an_upload_over_the_import_limit_is_refused_and_nothing_of_it_is_kept(ap
     assert fits.status_code == 200, fits.text[:200]
     [stored] = fits.json()
     assert Path(stored).read_bytes() == b"{}" and Path(stored).is_relative_to(app.uploads)
+
+
+# ---- exports ----------------------------------------------------------------------------------------
+def export_event_index(url: str) -> int:
+    """The Export button's event: it has no public API name, so it is found as the page finds it."""
+    return fn_index(url, "on_export")
+
+
+def export(url: str, fn: int, user: str, conversation_id: int) -> list[dict]:
+    """One click on Export from a fresh browser session: the files the page is given."""
+    event = submit(url, fn, [user, conversation_id])
+    try:
+        for message in event.messages():
+            if message.get("msg") == "process_completed":
+                assert message["success"], message
+                return message["output"]["data"][0]["value"]
+    finally:
+        event.leave()
+    raise AssertionError("the export never completed")
+
+
+def a_chat(store: Store) -> tuple[str, int]:
+    user = new_user()
+    conversation = store.create_conversation(user, "Export me")
+    store.add_message(user, conversation["id"], "user", "Keep this")
+    return user, conversation["id"]
+
+
+def test_many_exports_leave_no_folders_behind(app):
+    user, conversation_id = a_chat(app.store)
+    fn = export_event_index(app.url)
+    before = files_under(app.uploads)
+
+    for _ in range(25):
+        files = export(app.url, fn, user, conversation_id)
+    assert sorted(Path(f["path"]).suffix for f in files) == [".json", ".md"]
+    markdown = next(f for f in files if f["path"].endswith(".md"))
+    served = httpx.get(httpx.URL(app.url).join(markdown["url"]), timeout=30)
+    assert served.status_code == 200 and "Keep this" in served.text
+
+    left = sorted(path.name for path in app.temp.iterdir())
+    assert left == [], f"{len(left)} entries left in the temporary folder after 25 exports: {left[:3]}"
+    # Gradio keeps one copy per distinct file it has handed out: the same chat, the same two.
+    assert len(files_under(app.uploads) - before) == 2
+
+
+def test_the_files_gradio_handed_out_are_deleted_when_the_server_stops(tiny_model_dir, tmp_path):
+    with served_page(tiny_model_dir, tmp_path) as app:
+        user, conversation_id = a_chat(app.store)
+        files = export(app.url, export_event_index(app.url), user, conversation_id)
+        assert all(Path(f["path"]).exists() for f in files)
+        uploaded = httpx.post(f"{app.url}gradio_api/upload", files={"files": ("chat.json", b"{}")}, timeout=60).json()
+        assert Path(uploaded[0]).exists()
+    assert files_under(app.uploads) == set()

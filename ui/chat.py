@@ -27,6 +27,9 @@ from ui.sessions import Sessions, until_gone
 BROWSER_KEY = "pagedchat-user"
 BROWSER_SECRET = os.environ.get("PAGEDCHAT_BROWSER_SECRET", "pagedchat-browser-state")
 STRIP_INTERVAL_S = 0.5  # the memory strip's refresh while a reply streams
+# Gradio deletes the files it handed out (exports) or took in (uploads) after this long, and all
+# of them when the server stops: otherwise its temporary folder only grows.
+TEMP_FILES_KEPT_S = 3600
 # Display maths first, so that `$$` is never read as two empty inline spans.
 LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "\\[", "right": "\\]", "display": True},
          {"left": "$", "right": "$", "display": False}, {"left": "\\(", "right": "\\)", "display": False}]
@@ -205,9 +208,11 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
 
     def on_export(user_id: str, conversation_id: int | None, profile: gr.OAuthProfile | None = None):
         user = identity.resolve_user(user_id, profile)
-        with shown_to_user():
-            files = chat.export(user, conversation_id, tempfile.mkdtemp(prefix="pagedchat-export-"))
-        return gr.File(value=[str(path) for path in files], visible=True)
+        # The files are handed to Gradio's cache (which serves them and deletes them on its
+        # schedule, TEMP_FILES_KEPT_S) here, so that the folder they were written in goes at once.
+        with shown_to_user(), tempfile.TemporaryDirectory(prefix="pagedchat-export-") as folder:
+            files = [exported.move_resource_to_block_cache(path) for path in chat.export(user, conversation_id, folder)]
+        return gr.File(value=files, visible=True)
 
     def on_import(user_id: str, upload: str | None, query: str, profile: gr.OAuthProfile | None = None):
         user = identity.resolve_user(user_id, profile)
@@ -267,7 +272,7 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
         return gr.Textbox(visible=preset == presets.CUSTOM)
 
     # ---- layout, top to bottom --------------------------------------------------------------
-    with gr.Blocks(title="PagedChat") as demo:
+    with gr.Blocks(title="PagedChat", delete_cache=(TEMP_FILES_KEPT_S, TEMP_FILES_KEPT_S)) as demo:
         browser_id = gr.BrowserState("", storage_key=BROWSER_KEY, secret=BROWSER_SECRET)
         user_id = gr.Textbox(visible=False, label="user id")
         # No precision: Gradio's rounding would turn 1.5 into 2 and fail on text; the controller
