@@ -160,3 +160,38 @@ def test_the_files_gradio_handed_out_are_deleted_when_the_server_stops(tiny_mode
         uploaded = httpx.post(f"{app.url}gradio_api/upload", files={"files": ("chat.json", b"{}")}, timeout=60).json()
         assert Path(uploaded[0]).exists()
     assert files_under(app.uploads) == set()
+
+
+# ---- per-session state ------------------------------------------------------------------------------
+def rest_send(url: str, user: str, text: str) -> str:
+    """A Send through Gradio's REST API (`/gradio_api/call/send`, as curl would): no browser
+    session, so no event stream of the page's own. Returns the final event's name."""
+    with httpx.Client(base_url=url, timeout=60) as http:
+        posted = http.post("gradio_api/call/send", json={"data": [user, None, text, "None", "", 0.0, 1.0, 2]})
+        posted.raise_for_status()
+        event = None
+        with http.stream("GET", f"gradio_api/call/send/{posted.json()['event_id']}") as stream:
+            for line in stream.iter_lines():
+                if line.startswith("event:"):
+                    event = line.removeprefix("event:").strip()
+                if event in ("complete", "error") and line.startswith("data:"):
+                    json.loads(line.removeprefix("data:"))
+                    return event
+    raise AssertionError(f"the call ended without a result (last event {event!r})")
+
+
+def test_calls_leave_no_session_state_behind(app):
+    user = new_user()
+    for i in range(60):
+        assert rest_send(app.url, user, f"Call {i}") == "complete"
+    assert within(10, lambda: len(app.sessions) == 0), f"{len(app.sessions)} sessions held after 60 REST calls"
+
+    # As a browser calls (its own event stream), when each event has completed.
+    send = fn_index(app.url, "send")
+    for i in range(5):
+        event = submit(app.url, send, [user, None, f"Browser call {i}", "None", "", 0.0, 1.0, 2])
+        try:
+            assert any(m.get("msg") == "process_completed" and m["success"] for m in event.messages())
+        finally:
+            event.leave()
+    assert within(10, lambda: len(app.sessions) == 0), f"{len(app.sessions)} sessions held, no stream open"

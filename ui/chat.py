@@ -11,7 +11,7 @@ import asyncio
 import os
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import aclosing, contextmanager
+from contextlib import AbstractContextManager, aclosing, contextmanager, nullcontext
 
 import gradio as gr
 
@@ -45,13 +45,14 @@ def shown_to_user() -> Iterator[None]:
 
 
 async def relay(views: ReplyViews, outputs: Callable[[ChatView], tuple],
-                gone: asyncio.Event | None) -> AsyncIterator[tuple]:
-    """The controller's views as an event's outputs, until they end or the browser is `gone`.
-    Stop cancels the event; either way the reply being written is cancelled at once: the engine
-    request is aborted and the partial reply stored as stopped."""
+                gone: AbstractContextManager[asyncio.Event | None]) -> AsyncIterator[tuple]:
+    """The controller's views as an event's outputs, until they end or the browser is gone
+    (`gone` holds the session's event while the reply is relayed). Stop cancels the event;
+    either way the reply being written is cancelled at once: the engine request is aborted and
+    the partial reply stored as stopped."""
     try:
-        with shown_to_user():
-            async with aclosing(until_gone(views, gone)) as shown:
+        with shown_to_user(), gone as left:
+            async with aclosing(until_gone(views, left)) as shown:
                 async for view in shown:
                     yield outputs(view)
     finally:
@@ -74,9 +75,9 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
     cancelled at once."""
     chat = ChatController(backend, store)
 
-    def gone(request: gr.Request | None) -> asyncio.Event | None:
+    def gone(request: gr.Request | None) -> AbstractContextManager[asyncio.Event | None]:
         session = request.session_hash if request is not None else None
-        return sessions.gone(session) if sessions is not None and session else None
+        return sessions.watch(session) if sessions is not None and session else nullcontext()
 
     def conversation_list(user: str, selected: int | None, query: str = "") -> gr.Radio:
         with shown_to_user():

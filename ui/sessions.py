@@ -11,7 +11,9 @@ handler's stream of views the moment that event is set, cancelling the view bein
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -19,34 +21,50 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 EVENT_STREAM_PATH = "/queue/data"  # Gradio's per-session event stream (after its API prefix)
 
 
+@dataclass
+class _Watched:
+    """One session's event, and how many hold it: handlers that asked, and its event stream."""
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+    holders: int = 0
+
+
 class Sessions:
     """Browser sessions by Gradio's session hash: an event set when the session's event stream
-    disconnects. Lives on the event loop's thread (the middleware and async handlers use it)."""
+    disconnects. Lives on the event loop's thread (the middleware and async handlers use it).
+    A session is kept only while a handler or its event stream holds it: a call with no stream
+    of its own (Gradio's REST API, `/gradio_api/call/…`) leaves nothing behind."""
 
     def __init__(self) -> None:
-        self._gone: dict[str, asyncio.Event] = {}
+        self._watched: dict[str, _Watched] = {}
 
-    def gone(self, session_hash: str) -> asyncio.Event:
-        """Set once the session's browser has disconnected. A handler may ask before the
-        browser has opened its event stream (it opens it just after submitting the event)."""
-        event = self._gone.get(session_hash)
-        if event is None:
-            event = self._gone[session_hash] = asyncio.Event()
-        return event
+    def __len__(self) -> int:
+        """How many sessions are held now."""
+        return len(self._watched)
 
-    def _opened(self, session_hash: str) -> asyncio.Event:
-        event = self._gone.get(session_hash)
-        if event is None or event.is_set():  # a session that came back gets a fresh event
-            event = self._gone[session_hash] = asyncio.Event()
-        return event
+    @contextmanager
+    def watch(self, session_hash: str) -> Iterator[asyncio.Event]:
+        """The session's event, set once its browser has disconnected, held for the `with`
+        block. A handler may ask before the browser has opened its event stream (it opens it
+        just after submitting the event)."""
+        watched = self._hold(session_hash)
+        try:
+            yield watched.gone
+        finally:
+            self._release(session_hash, watched)
 
-    def _ended(self, session_hash: str, event: asyncio.Event, disconnected: bool) -> None:
-        if disconnected:
-            event.set()
-        # A stream that ends by itself has delivered every event; a handler that asks later gets
-        # a new one. Entries never outlive their stream, so the map stays as small as the streams.
-        if self._gone.get(session_hash) is event:
-            del self._gone[session_hash]
+    def _hold(self, session_hash: str) -> _Watched:
+        watched = self._watched.get(session_hash)
+        # A session that disconnected and came back (or asks again) gets a fresh event; whoever
+        # held the old one keeps it, set.
+        if watched is None or watched.gone.is_set():
+            watched = self._watched[session_hash] = _Watched()
+        watched.holders += 1
+        return watched
+
+    def _release(self, session_hash: str, watched: _Watched) -> None:
+        watched.holders -= 1
+        if watched.holders == 0 and self._watched.get(session_hash) is watched:
+            del self._watched[session_hash]
 
 
 class SessionWatch:
@@ -62,21 +80,18 @@ class SessionWatch:
         if session_hash is None:
             await self.app(scope, receive, send)
             return
-        event = self.sessions._opened(session_hash)
-        disconnected = False
+        watched = self.sessions._hold(session_hash)
 
         async def watched_receive() -> Message:
-            nonlocal disconnected
             message = await receive()
-            if message["type"] == "http.disconnect" and not disconnected:
-                disconnected = True
-                event.set()  # at once: the response may take a while to notice
+            if message["type"] == "http.disconnect":
+                watched.gone.set()  # at once: the response may take a while to notice
             return message
 
         try:
             await self.app(scope, watched_receive, send)
         finally:
-            self.sessions._ended(session_hash, event, disconnected)
+            self.sessions._release(session_hash, watched)
 
 
 def _event_stream_session(scope: Scope) -> str | None:
