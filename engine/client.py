@@ -49,9 +49,11 @@ class EngineClient(StreamingClient):
 
     # ---- caller side --------------------------------------------------------------------
     def _add(self, stream: Stream, prompt, params: SamplingParams, options: dict) -> None:
+        self.engine.inputs.check_fits(prompt, self._info.max_model_len)  # a text too long is not tokenized on the loop
         self._ask(("add", prompt, params, options, stream, Future()))
 
     async def _add_async(self, stream: Stream, prompt, params: SamplingParams, options: dict) -> None:
+        self.engine.inputs.check_fits(prompt, self._info.max_model_len)
         await self._ask_async(("add", prompt, params, options, stream, Future()))
 
     def abort(self, request_id: str) -> None:

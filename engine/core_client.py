@@ -5,9 +5,10 @@ info, block_map, listeners. This is how `python -m engine.serve` and the app ser
 Why a process: on a small CPU the step loop and the server share the cores, and in one process
 they share the GIL too; every per-token bit of Python in the server (detokenizing, SSE frames,
 Gradio updates) then delays the next step. Here the core only schedules and steps (vLLM v1's
-EngineCore busy loop); this side tokenizes prompts (InputProcessor, on the caller's thread),
-turns each step's token ids into text (OutputProcessor, on a reader thread) and routes the
-deltas to the callers' streams. The weights load once, in the core.
+EngineCore busy loop); this side tokenizes prompts (InputProcessor, on the caller's thread, or
+for `asubmit` on a thread of its own, never the event loop's), turns each step's token ids into
+text (OutputProcessor, on a reader thread) and routes the deltas to the callers' streams. The
+weights load once, in the core.
 
 If the core process dies, every open stream ends at once with an error saying so, `closed` is
 True (the API's /health answers 503) and a new core starts; when it is ready the client serves
@@ -15,6 +16,7 @@ again (`restarts` counts them).
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import logging
@@ -25,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -34,7 +36,7 @@ from engine.core.block_map import BlockMap
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import check_prompt_length
 from engine.core.stats import SchedulerStats
-from engine.frontend.input_processor import InputProcessor
+from engine.frontend.input_processor import InputProcessor, ProcessedPrompt
 from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import EngineInfo
 from engine.frontend.request_streams import LIVENESS_CHECK_S, EngineBusyError, EngineDeadError, Stream, StreamingClient
@@ -63,6 +65,8 @@ class CoreProcessClient(StreamingClient):
         self._inputs = InputProcessor(copy.deepcopy(self.tokenizer))
         self._outputs = OutputProcessor(copy.deepcopy(self.tokenizer))
         self._input_lock = threading.Lock()
+        self._input_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-tokenizer")  # asubmit's
+        self._input_thread.submit(lambda: None)  # its thread starts now: a steady thread count from the first request
         self._send_lock = threading.Lock()
         self._restart = restart
         self._closing = False
@@ -103,12 +107,29 @@ class CoreProcessClient(StreamingClient):
         return "the engine core is not running"
 
     def _add(self, stream: Stream, prompt, params: SamplingParams, options: dict) -> None:
+        self._take(stream, self._prepare(prompt, options), params, options)
+
+    async def _add_async(self, stream: Stream, prompt, params: SamplingParams, options: dict) -> None:
+        # Tokenizing (seconds for a long text) on a thread of its own, never on the event loop that
+        # streams every other reply; a caller cancelled meanwhile has taken nothing to abort.
+        processed = await asyncio.get_running_loop().run_in_executor(self._input_thread, self._prepare, prompt, options)
+        self._take(stream, processed, params, options)
+
+    def _prepare(self, prompt, options: dict) -> ProcessedPrompt:
+        """The prompt's token ids; raises for one that cannot fit (a long text before tokenizing)."""
         if self.closed:
             raise EngineDeadError(self._dead_reason())
+        info = self._info
+        self._inputs.check_fits(prompt, info.max_model_len)
         with self._input_lock:  # a fast tokenizer is not thread-safe
             processed = self._inputs.process(prompt, options["cache_salt"], options["num_shared_messages"])
-        info = self._info
         check_prompt_length(len(processed.token_ids), info.max_model_len, info.num_device_blocks * info.block_size)
+        return processed
+
+    def _take(self, stream: Stream, processed: ProcessedPrompt, params: SamplingParams, options: dict) -> None:
+        """Register the request and send it to the core."""
+        if self.closed:
+            raise EngineDeadError(self._dead_reason())
         request_id = stream.request_id
         with self._lock:  # registered and sent as one, so an abort cannot come between
             waiting = len(self._submitted)
@@ -171,6 +192,7 @@ class CoreProcessClient(StreamingClient):
         except (OSError, ValueError):
             pass
         self._stop_process(grace_s=10.0)
+        self._input_thread.shutdown(wait=False, cancel_futures=True)
         self._finish_all_streams("abort")
         self._answer_asks(EngineDeadError(self._dead_reason()))
         if self._reader is not threading.current_thread():

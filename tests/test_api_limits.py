@@ -11,8 +11,11 @@ import time
 import httpx
 import pytest
 from engine_servers import EngineServer
+from served_app import Served
 
+from engine import EngineClient, LLMEngine
 from engine.api.server import MAX_BODY_BYTES
+from engine.serve import build_server
 
 MAX_MODEL_LEN = 1024  # the tiny model's (tests/conftest.py)
 
@@ -23,6 +26,16 @@ def server(deep_model_dir, tmp_path_factory):
     served = EngineServer(deep_model_dir, tmp_path_factory.mktemp("engine-logs")).start(timeout=180)
     yield served
     served.stop()
+
+
+@pytest.fixture(scope="module")
+def in_process(tiny_model_dir):
+    """The same API over an engine on a thread of the server's process (--engine-in-process): its URL."""
+    client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=128, num_cpu_blocks=64))
+    served = Served(build_server(client, "tiny"))
+    yield served.url.rstrip("/")
+    served.close()
+    client.close()
 
 
 def error_of(response: httpx.Response) -> dict:
@@ -91,10 +104,12 @@ def test_a_large_tokenize_does_not_stall_another_users_stream(server):
         stream.close()
 
 
-def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(server, tokenizer):
+@pytest.mark.parametrize("engine", ["process", "in-process"])
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(request, engine, tokenizer):
+    url = request.getfixturevalue("server").url if engine == "process" else request.getfixturevalue("in_process")
     prompt = "word " * 400_000  # 2 MB: tokenizing it takes seconds
     start = time.monotonic()
-    tokenized = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}, timeout=300)
+    tokenized = httpx.post(f"{url}/tokenize", json={"prompt": prompt}, timeout=300)
     took_tokenizing = time.monotonic() - start
     assert tokenized.status_code == 200 and tokenized.json()["count"] > MAX_MODEL_LEN
     longest = max(len(token) for token in tokenizer.get_vocab())
@@ -102,14 +117,14 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(server, toke
                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
                                                         "max_tokens": 2}, "messages")):
         start = time.monotonic()
-        refused = httpx.post(f"{server.url}{path}", json=body, timeout=300)
+        refused = httpx.post(f"{url}{path}", json=body, timeout=300)
         took = time.monotonic() - start
         error = error_of(refused)
         assert refused.status_code == 400 and error["param"] == param, refused.text
         assert "characters" in error["message"] and f"max_model_len={MAX_MODEL_LEN}" in error["message"], error
         assert f"{MAX_MODEL_LEN * longest}" in error["message"], error
         assert took < took_tokenizing / 4, f"{path} took {took:.2f} s to refuse; tokenizing took {took_tokenizing:.2f} s"
-    fits = httpx.post(f"{server.url}/v1/completions", json={"prompt": "A short one.", "max_tokens": 2}, timeout=60)
+    fits = httpx.post(f"{url}/v1/completions", json={"prompt": "A short one.", "max_tokens": 2}, timeout=60)
     assert fits.status_code == 200, fits.text
 
 

@@ -234,9 +234,9 @@ def test_a_caller_cancelled_while_its_submit_is_queued_leaves_nothing_running(cl
 
     cancelled = any(asyncio.run(main()) for _ in range(5))  # stops at the first cancel that landed
     wait_until_idle(client, 2.0)
-    # The thread client's submit waits for the loop thread, where a cancel can land; the process
-    # client's is sent without waiting, so its submit is never cancelled (and nothing is left either).
-    assert cancelled is isinstance(client, EngineClient)
+    # The thread client's submit waits for the loop thread, the process client's for its tokenizer
+    # thread: a cancel can land in either, and leaves nothing running.
+    assert cancelled
 
 
 def test_a_reader_that_falls_behind_gets_the_queued_tokens_merged_in_order(client):

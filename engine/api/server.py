@@ -19,10 +19,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.api.access import bearer_key_check
 from engine.api.completions import Completions
-from engine.api.errors import APIError, bad_request, install_error_handlers
+from engine.api.errors import APIError, install_error_handlers
 from engine.api.kv_cache import kv_cache_json
 from engine.api.metrics import CONTENT_TYPE, EngineMetrics
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from engine.api.tokenization import Tokenization
 from engine.frontend.request_streams import StreamingClient
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any prompt the engine can hold, far below harm
@@ -37,6 +38,7 @@ def add_openai_api(app: FastAPI, client: StreamingClient, model_name: str | None
     model_name = model_name or info.model
     tokenizer = copy.deepcopy(client.tokenizer)  # the API's own: a fast tokenizer is not thread-safe
     completions = Completions(client, tokenizer, model_name)
+    tokenization = Tokenization(copy.deepcopy(client.tokenizer), info.max_model_len)  # used on a thread of its own
     metrics = EngineMetrics(client, model_name)
     created = int(time.time())
     install_error_handlers(app)
@@ -75,28 +77,12 @@ def add_openai_api(app: FastAPI, client: StreamingClient, model_name: str | None
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give either `prompt` or `messages`", "prompt")
-        if body.messages is not None:
-            try:
-                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            except ValueError as error:
-                raise bad_request(str(error), "messages") from None
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                 tokenize=False)
-        else:
-            text = body.prompt
-        tokens = tokenizer(text, add_special_tokens=False).input_ids
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len}
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return await tokenization.tokenize(body)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        vocab = len(tokenizer)
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token ids must be in [0, {vocab}), got {bad[0]}", "tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await tokenization.detokenize(body)
 
     return metrics
 

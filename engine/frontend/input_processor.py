@@ -1,9 +1,15 @@
 """A prompt as the engine core takes it: text, token ids, or chat messages rendered with the
-model's chat template, turned into token ids, with the length of the prefix every user shares."""
+model's chat template, turned into token ids, with the length of the prefix every user shares.
+
+Tokenizing costs time in proportion to the text (seconds for the megabytes an API body may
+hold), so a prompt is first measured in characters: no token is longer than the vocabulary's
+longest, so a text longer than `max_model_len` of those cannot fit, and is refused untokenized."""
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+
+from engine.core.scheduler import PromptTooLongError
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +23,7 @@ class InputProcessor:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.max_token_chars = longest_token_chars(tokenizer)
         # Shared messages are a few presets: tokenize each once, not on every request.
         self._shared_prefix_ids = functools.lru_cache(maxsize=64)(self._encode_shared)
 
@@ -24,6 +31,16 @@ class InputProcessor:
         if isinstance(prompt, str):
             return self.tokenizer(prompt, add_special_tokens=False).input_ids
         return list(prompt)
+
+    def check_fits(self, prompt: str | list[int] | list[dict], max_model_len: int) -> None:
+        """Refuse (PromptTooLongError) a text prompt too long in characters to fit `max_model_len`
+        tokens. Cheap and safe from any thread: it never touches the tokenizer."""
+        chars = prompt_chars(prompt)
+        limit = max_model_len * self.max_token_chars
+        if chars > limit:
+            raise PromptTooLongError(f"the prompt has {chars} characters, more than max_model_len={max_model_len} "
+                                     f"tokens can hold (a token here is at most {self.max_token_chars} characters: "
+                                     f"the limit is {limit} characters)")
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -48,3 +65,18 @@ class InputProcessor:
         rendered = self.tokenizer.apply_chat_template([{"role": role, "content": content} for role, content in messages],
                                                       add_generation_prompt=False, tokenize=False)
         return self.encode(rendered)
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters of text one token stands for, at most: the longest entry of the
+    vocabulary (a byte-level BPE entry spells each byte as one character, and a text has no more
+    characters than bytes; a byte-fallback entry such as `<0x41>` overcounts, which is safe)."""
+    return max(len(token) for token in (*tokenizer.get_vocab(), *tokenizer.get_added_vocab()))
+
+
+def prompt_chars(prompt: str | list[int] | list[dict]) -> int:
+    """A text prompt's characters, or its messages' contents' (a chat template only adds to them);
+    0 for token ids (their count is checked as it is)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(m["content"]) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
