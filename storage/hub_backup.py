@@ -5,6 +5,10 @@ huggingface_hub's `CommitScheduler` uploads every few minutes.
 All the network work happens at start (the restore) or on the scheduler's own thread, and every
 failure of it is logged, never raised into the app: a hub that is down or a bad token costs the
 backups, not the chats.
+
+The repository must be private: before every upload the hub is asked, and a public one gets
+nothing (an error in the log says why). It is still restored from at start: what it holds is
+public already, and the chats it brings back are then backed up again once it is private.
 """
 from __future__ import annotations
 
@@ -33,6 +37,12 @@ def snapshot_scheduler(**kwargs):
         uploaded: int | None = None  # the mtime (ns) of the snapshot last uploaded
 
         def push_to_hub(self):
+            # Asked before every upload, not once: a repo made public later must not get the next one.
+            if is_public(self.api, self.repo_id):
+                log.error("%s is a public dataset: uploading the chat database there would publish every user's "
+                          "chats, so nothing is uploaded (snapshots stay in %s); make it private on the hub, or "
+                          "set %s to a private dataset", self.repo_id, self.folder_path, REPO_ENV)
+                return None
             path = self.folder_path / SNAPSHOT_NAME
             with self.lock:
                 if not path.exists() or path.stat().st_mtime_ns == self.uploaded:
@@ -46,6 +56,17 @@ def snapshot_scheduler(**kwargs):
             return info
 
     return SnapshotScheduler(**kwargs)
+
+
+def is_public(api, repo_id: str) -> bool:
+    """Whether the dataset repo exists and the hub does not say it is private. A missing one is
+    not: the scheduler creates it private (`private=True` counts only at creation)."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        return api.repo_info(repo_id, repo_type="dataset").private is not True
+    except RepositoryNotFoundError:
+        return False
 
 
 class HubBackup:

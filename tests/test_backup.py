@@ -27,20 +27,31 @@ REPO = "ada/pagedchat-backups"
 
 
 class FakeHub:
-    """The hub routes a backup uses (download a file, create the repo, pre-upload, commit), on a
-    real loopback server, keeping what is committed in `files`. With `failing`, downloads and
-    uploads are refused (403, as for a token without the rights), which huggingface_hub does not
-    retry. A file not there is answered as the hub does: 404, for a missing repo or a missing file."""
+    """The hub routes a backup uses (the repo's info, download a file, create the repo, pre-upload,
+    commit), on a real loopback server, keeping what is committed in `files`. With `failing`,
+    downloads and uploads are refused (403, as for a token without the rights), which
+    huggingface_hub does not retry. A file not there is answered as the hub does: 404, for a
+    missing repo or a missing file. `private`: the existing repo's visibility (a new one's is
+    what its creator asks)."""
 
-    def __init__(self, failing: bool, repo_exists: bool = True) -> None:
-        self.failing, self.repo_exists, self.files = failing, repo_exists, {}
+    def __init__(self, failing: bool, repo_exists: bool = True, private: bool = True) -> None:
+        self.failing, self.repo_exists, self.private, self.files = failing, repo_exists, private, {}
         app = FastAPI()
 
         @app.post("/api/repos/create")
         async def create(request: Request):
             body = await request.json()
-            self.repo_exists = True
+            if not self.repo_exists:  # `private` applies to a new repo only, as on the hub
+                self.repo_exists = True
+                self.private = body.get("visibility") == "private" or body.get("private") is True
             return {"url": f"{self.url}/datasets/{body['organization']}/{body['name']}"}
+
+        @app.get("/api/datasets/{owner}/{name}")
+        async def info(owner: str, name: str):
+            if not self.repo_exists:
+                return JSONResponse({"error": "RepoNotFound"}, status_code=404,
+                                    headers={"X-Error-Code": "RepoNotFound"})
+            return {"id": f"{owner}/{name}", "private": self.private, "sha": "0" * 40}
 
         @app.api_route("/datasets/{owner}/{name}/resolve/{revision}/{filename}", methods=["GET", "HEAD"])
         async def download(owner: str, name: str, revision: str, filename: str):
@@ -323,3 +334,38 @@ def test_a_restart_restores_every_chat_from_the_hub(tmp_path, caplog, repo_exist
     assert restore(tmp_path / "uploaded.db", tmp_path / "restored.db")
     with Store(tmp_path / "restored.db") as restored:
         assert all_messages(restored, "hf:ada") == written
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "public"])
+def test_a_public_repository_is_restored_from_but_never_uploaded_to(tmp_path, caplog, private):
+    """`private=True` applies only when the repo is created: an existing public one would publish
+    every chat. It is still read at start (what it holds is public already, and restoring keeps
+    the chats), but nothing is uploaded to it."""
+    with Store(tmp_path / "before.db") as before:
+        written = write_chats(before, "hf:ada", chats=2)
+    hub = FakeHub(failing=False, private=private)
+    hub.files[SNAPSHOT_NAME] = snapshot(tmp_path / "before.db", tmp_path / "before").read_bytes()
+    original = hub.files[SNAPSHOT_NAME]
+    db = tmp_path / "data" / "chat.db"
+    caplog.set_level(logging.WARNING, logger="pagedchat.backup")
+    try:
+        backup = start_hub_backup(db, REPO, "hf_token", endpoint=hub.url)
+        assert "restored the database" in caplog.text
+        with Store(db) as store:
+            assert all_messages(store, "hf:ada") == written
+            written.update(write_chats(store, "hf:ada", chats=1))
+            backup.close(wait_s=10)  # the last snapshot, and an upload if the repo is private
+    finally:
+        hub.served.close()
+    refusal = f"{REPO} is a public dataset"
+    if private:
+        assert hub.files[SNAPSHOT_NAME] != original and refusal not in caplog.text
+        (tmp_path / "uploaded.db").write_bytes(hub.files[SNAPSHOT_NAME])
+        assert restore(tmp_path / "uploaded.db", tmp_path / "restored.db")
+        with Store(tmp_path / "restored.db") as restored:
+            assert all_messages(restored, "hf:ada") == written
+    else:
+        assert hub.files[SNAPSHOT_NAME] == original, "a chat was published"
+        assert refusal in caplog.text and "make it private" in caplog.text, caplog.text
+    with Store(db.parent / "backup" / SNAPSHOT_NAME) as local:  # snapshots are taken either way, locally
+        assert all_messages(local, "hf:ada") == written
