@@ -1,18 +1,32 @@
 """The compiled decode steps (engine/worker/compiled_decode.py): built in the background while the
 eager path serves, then the same greedy tokens as the eager path: a lone chat's through buffer
 growth, batch-to-lone hand-overs and moved blocks, a batch's with and without a shared prefix;
-the real model against transformers."""
+the real model against transformers. Only a package this user's own build wrote, in a folder
+nobody else can write to, is ever loaded; a build runs in a process group of its own that ends
+with it, on a timeout or with the engine's process."""
 from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.worker import compiled_decode
+from engine.worker import compiled_decode, package_trust
 from engine.worker.compiled_decode import CAPACITY_STEP, CompiledDecode, package_path
 from hf_reference import hf_greedy
+from processes import alive, group_members, processes_naming, wait_until
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+PYTHON = sys.executable  # the real one: some tests replace sys.executable with a stand-in
 BUILD_TIMEOUT_S = 600
 
 
@@ -53,8 +67,8 @@ def count_calls(monkeypatch, compiled: CompiledDecode, method: str = "decode") -
 def test_the_engine_serves_eagerly_while_the_step_builds(tiny_compiled, tiny_model_dir):
     llm, served, not_ready_while_serving = tiny_compiled
     assert not_ready_while_serving and len(served) == 4
-    assert package_path(tiny_model_dir, torch.float32).exists()
-    assert package_path(tiny_model_dir, torch.float32, "batch").exists()
+    for kind in compiled_decode.KINDS:  # each with the digest its build recorded
+        assert package_trust.digest_problem(package_path(tiny_model_dir, torch.float32, kind)) is None
     eager = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=64, compile_decode=False)
     assert eager.engine.compiled is None
     assert eager.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, **GREEDY))[0].outputs[0].token_ids == served
@@ -240,3 +254,265 @@ def test_matvec_blocks_multiply_like_linear(rows, bias):
     layer = MatVec(weight, b)
     assert layer.blocks.shape == (-(-rows // 16), 48, 16)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+# ---- which packages load, and how a build ends ----------------------------------------------
+# These never compile: the interpreter that runs `python -m engine.worker.compiled_decode` is
+# replaced by a stand-in that takes the same arguments and fails, writes a package the way a build
+# installs one, or hangs with a worker process of its own, as the compiler's workers do.
+FAKE_BUILD = textwrap.dedent('''
+    import argparse, os, subprocess, sys, time
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser()
+    for name in ("--out", "--kind", "--scratch", "--dtype", "--model", "--parent"):
+        parser.add_argument(name)
+    args, _ = parser.parse_known_args()
+    out = Path(args.out)
+    with open(os.environ["FAKE_BUILD_LOG"], "a") as log:
+        log.write(args.kind + "\\n")
+    mode = os.environ["FAKE_BUILD_MODE"]
+    staging = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if mode == "fail":
+        sys.exit("fake build: no compiler here")
+    if mode == "rebuild":
+        from engine.worker.package_trust import install
+        staging.write_bytes(b"rebuilt " + args.kind.encode())
+        install(staging, out)
+        sys.exit(0)
+    if args.scratch:  # "hang": scratch files, half a package, a worker, and no end
+        (Path(args.scratch) / "inductor-cache").write_bytes(bytes(1000))
+    staging.write_bytes(b"half a package")
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    pids = Path(os.environ["FAKE_BUILD_PIDS"]) / args.kind
+    pids.with_suffix(".tmp").write_text(f"{os.getpid()} {os.getpgrp()} {worker.pid} {args.scratch}")
+    pids.with_suffix(".tmp").replace(pids)
+    time.sleep(600)
+''')
+
+
+@pytest.fixture
+def fake_builds(tmp_path, monkeypatch):
+    """A packages folder of the test's own, whose builds run FAKE_BUILD in `mode` ("fail" unless
+    set): `.starts()` lists the kinds a build was started for, `.pids(kind)` what a hanging one
+    left (its pid, its process group, its worker's pid, its scratch folder)."""
+    script, python = tmp_path / "fake_build.py", tmp_path / "fake_python"
+    script.write_text(FAKE_BUILD)
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    python.chmod(0o755)
+    folder, log, pids = tmp_path / "compiled", tmp_path / "builds.log", tmp_path / "pids"
+    pids.mkdir()
+    monkeypatch.setattr(sys, "executable", str(python))
+    monkeypatch.setenv("PAGEDCHAT_COMPILED_DIR", str(folder))
+    monkeypatch.setenv("FAKE_BUILD_LOG", str(log))
+    monkeypatch.setenv("FAKE_BUILD_PIDS", str(pids))
+    monkeypatch.setenv("FAKE_BUILD_MODE", "fail")
+
+    def read_pids(kind: str):
+        pid, pgrp, worker, scratch = (pids / kind).read_text().split()
+        return int(pid), int(pgrp), int(worker), scratch
+
+    fake = SimpleNamespace(folder=folder, python=python, pids_dir=pids, pids=read_pids,
+                           starts=lambda: log.read_text().split() if log.exists() else [],
+                           mode=lambda mode: monkeypatch.setenv("FAKE_BUILD_MODE", mode))
+    yield fake
+    for kind in compiled_decode.KINDS:  # a test that failed may leave a hanging build behind
+        if (pids / kind).exists():
+            pid, _, worker, _ = read_pids(kind)
+            for process in (pid, worker):
+                if alive(process):
+                    os.kill(process, signal.SIGKILL)
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Every package `aoti_load_package` is asked to load, with its bytes then: (path, bytes).
+    Nothing is loaded (it raises, so the engine goes on eagerly)."""
+    seen = []
+
+    def spy(path, *args, **kwargs):
+        seen.append((Path(path), Path(path).read_bytes()))
+        raise RuntimeError("the test's stand-in loads nothing")
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", spy)
+    return seen
+
+
+def sha256_record(data: bytes, name: str) -> str:
+    """A digest file's text, as `sha256sum` writes it."""
+    return f"{hashlib.sha256(data).hexdigest()}  {name}\n"
+
+
+def plant(folder: Path, model: str, content: bytes, digest_of: bytes | None = None) -> list[Path]:
+    """Packages at both kinds' paths, with a digest record of `digest_of` when given."""
+    paths = [package_path(model, torch.float32, kind) for kind in compiled_decode.KINDS]
+    for path in paths:
+        assert path.parent == folder
+        path.write_bytes(content)
+        if digest_of is not None:
+            path.with_name(path.name + ".sha256").write_text(sha256_record(digest_of, path.name))
+    return paths
+
+
+def serve_eagerly(model: str) -> LLM:
+    """An engine asked for compiled steps that answers (eagerly) while they are prepared, and
+    whose preparing has settled without a step becoming ready."""
+    llm = LLM(model, dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, compile_decode=True)
+    output = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, **GREEDY))[0].outputs[0]
+    assert len(output.token_ids) == 4 and output.finish_reason == "length"
+    assert not llm.engine.compiled.wait(120)
+    assert llm.engine.compiled.settled and not llm.engine.compiled.ready and not llm.engine.compiled.batch_ready
+    return llm
+
+
+def test_a_package_planted_in_the_folder_is_never_loaded(fake_builds, loads, tiny_model_dir, caplog):
+    """A package no build of ours recorded a digest for is refused, and built afresh."""
+    fake_builds.folder.mkdir()
+    paths = plant(fake_builds.folder, tiny_model_dir, b"planted")
+    with caplog.at_level(logging.WARNING, logger=compiled_decode.__name__):
+        serve_eagerly(tiny_model_dir)
+    assert loads == []
+    assert fake_builds.starts() == ["lone", "batch"]
+    refusals = [r.getMessage() for r in caplog.records if "refusing" in r.getMessage()]
+    assert len(refusals) == 2 and all("no recorded digest" in m for m in refusals)
+    assert paths[0].name in refusals[0] and paths[1].name in refusals[1]
+
+
+def test_a_package_whose_digest_does_not_match_is_rebuilt_before_it_loads(fake_builds, loads, tiny_model_dir):
+    fake_builds.folder.mkdir()
+    fake_builds.mode("rebuild")
+    lone, batch = plant(fake_builds.folder, tiny_model_dir, b"planted", digest_of=b"what a build wrote")
+    serve_eagerly(tiny_model_dir)
+    assert fake_builds.starts() == ["lone", "batch"]
+    assert loads == [(lone, b"rebuilt lone"), (batch, b"rebuilt batch")]  # only what the build installed
+
+
+def _group_writable(folder: Path) -> None:
+    folder.mkdir()
+    folder.chmod(0o775)
+
+
+def _world_writable(folder: Path) -> None:
+    folder.mkdir()
+    folder.chmod(0o757)
+
+
+def _another_users(folder: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a folder to another user")
+    folder.mkdir()
+    os.chown(folder, 65534, 65534)
+
+
+def _under_a_folder_others_can_write(folder: Path) -> None:
+    folder.parent.chmod(0o777)  # no sticky bit: anyone may rename the packages folder away
+    folder.mkdir()
+
+
+@pytest.mark.parametrize("make_unsafe", [_group_writable, _world_writable, _another_users,
+                                         _under_a_folder_others_can_write])
+def test_packages_in_a_folder_others_can_write_are_neither_loaded_nor_built(fake_builds, loads, tiny_model_dir,
+                                                                           caplog, make_unsafe):
+    """Even a package whose digest matches: whoever can write the folder can write the record."""
+    make_unsafe(fake_builds.folder)
+    plant(fake_builds.folder, tiny_model_dir, b"package", digest_of=b"package")
+    with caplog.at_level(logging.WARNING, logger=compiled_decode.__name__):
+        llm = serve_eagerly(tiny_model_dir)
+    assert loads == [] and fake_builds.starts() == []
+    assert str(fake_builds.folder) in llm.engine.compiled.error
+    assert any(str(fake_builds.folder) in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_the_build_records_the_digest_of_what_it_wrote(tiny_model_dir, tmp_path, monkeypatch):
+    """`build` (its compiling replaced) installs the package with a record of its sha256 beside it."""
+    def compile_and_package(program, package_path, inductor_configs):
+        Path(package_path).write_bytes(b"compiled " + str(sorted(inductor_configs)).encode())
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_and_package)
+    out = compiled_decode.build(tiny_model_dir, torch.float32, tmp_path / "decode-tiny.pt2")
+    assert out.read_bytes().startswith(b"compiled ")
+    assert (tmp_path / "decode-tiny.pt2.sha256").read_text() == sha256_record(out.read_bytes(), out.name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-tiny.pt2", "decode-tiny.pt2.sha256"]
+
+
+def test_a_hung_build_is_stopped_with_its_whole_process_group(fake_builds, loads, tiny_model_dir, monkeypatch):
+    """On its timeout a build is ended with every process it started (the compiler's workers),
+    and what it left (half a package, its scratch folder) is removed."""
+    fake_builds.mode("hang")
+    monkeypatch.setattr(compiled_decode, "BUILD_TIMEOUT_S", 3)
+    llm = serve_eagerly(tiny_model_dir)
+    assert "took over 3 s" in llm.engine.compiled.error
+    for kind in compiled_decode.KINDS:
+        pid, pgrp, worker, scratch = fake_builds.pids(kind)
+        assert wait_until(lambda: not alive(worker)), f"the {kind} build's worker outlived its timeout"
+        assert pgrp == pid, "the build did not run in a process group of its own"
+        assert wait_until(lambda: not group_members(pgrp))
+        assert not Path(scratch).exists()
+    assert list(fake_builds.folder.iterdir()) == [] and loads == []
+
+
+DRIVER = textwrap.dedent('''
+    import os
+    import sys
+    from engine import LLM, SamplingParams
+    from processes import wait_until
+
+    model, python, started = sys.argv[1:4]
+    if python != "-":
+        sys.executable = python
+    llm = LLM(model, dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, compile_decode=True)
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))
+    if started != "-":
+        assert wait_until(lambda: os.path.exists(started), 120), "no build started"
+    if sys.argv[4] == "stay":
+        sys.stdin.read()  # until the test kills us
+''')
+
+
+def run_driver(tmp_path, model: str, python: str, started: Path | None, stay: bool) -> subprocess.Popen:
+    """An engine process that starts its compiled steps' build (run by `python`, "-" for the real
+    one), waits until `started` exists, then exits or stays until killed."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": f"{tests.parent}:{tests}"}
+    return subprocess.Popen([PYTHON, str(script), model, python, str(started or "-"), "stay" if stay else "exit"],
+                            cwd=tests.parent, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_a_build_ends_when_the_engine_process_exits(fake_builds, tiny_model_dir, tmp_path):
+    fake_builds.mode("hang")
+    driver = run_driver(tmp_path, tiny_model_dir, str(fake_builds.python), fake_builds.pids_dir / "lone", stay=False)
+    _, err = driver.communicate(timeout=300)
+    assert driver.returncode == 0, err[-3000:]
+    pid, pgrp, worker, scratch = fake_builds.pids("lone")
+    assert wait_until(lambda: not alive(pid) and not alive(worker)), "the build outlived the engine's process"
+    assert pgrp == pid and wait_until(lambda: not group_members(pgrp))
+    assert not Path(scratch).exists() and list(fake_builds.folder.iterdir()) == []
+
+
+def test_a_build_ends_when_the_engine_process_is_killed(fake_builds, loads, tiny_model_dir, tmp_path):
+    """The real build (`python -m engine.worker.compiled_decode`) watches the process that
+    started it: killed, that process can clean nothing up, so the build ends its own group, and
+    the next engine to prepare steps in the folder removes the scratch folder it left."""
+    folder = fake_builds.folder
+
+    def builds() -> list[int]:
+        return processes_naming("engine.worker.compiled_decode", str(folder))
+
+    driver = run_driver(tmp_path, tiny_model_dir, "-", None, stay=True)
+    try:
+        assert wait_until(builds, 300), driver.stderr.read() if driver.poll() is not None else "no build started"
+        driver.kill()
+        driver.wait(timeout=30)
+        assert wait_until(lambda: not builds()), "the build outlived the engine's killed process"
+        assert list(folder.iterdir())  # what it left: its scratch folder at least
+        serve_eagerly(tiny_model_dir)  # the stand-in build fails: nothing loads, leftovers are swept
+        assert fake_builds.starts() == ["lone", "batch"] and loads == []
+        assert list(folder.iterdir()) == []
+    finally:
+        driver.kill()
+        for pid in builds():
+            os.kill(pid, signal.SIGKILL)

@@ -19,25 +19,39 @@ and this code, so it is keyed by all of them and kept under `cache_dir()/compile
 ~50-60 s for SmolLM2-135M on 2 cores, once), then loaded by a thread (~2 s, releasing the
 GIL): the engine starts as fast as without it and decodes eagerly until the graph is ready.
 Built or loaded, each package holds another copy of the weights.
+
+Loading a package runs its native code, so only a package this user's own build recorded, in a
+folder nobody else can write to, is loaded (engine/worker/package_trust.py); any other is built
+afresh, and in a folder others can write to nothing is built or loaded. A build runs in a process
+group of its own, with a scratch folder its engine chose beside the packages: a timeout or the
+engine's exit ends the whole group (the compiler's workers too) and removes what it left, and a
+build whose engine was killed ends itself; the next engine removes what that one left.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import hashlib
 import json
 import logging
 import os
+import re
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.worker.model_loader import cache_dir, load_hf_model, resolve_model
+from engine.worker.package_trust import digest_path, digest_problem, folder_problem, install
 from engine.worker.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -110,9 +124,15 @@ def packages_folder() -> Path:
     return Path(os.environ.get("PAGEDCHAT_COMPILED_DIR") or cache_dir() / "compiled")
 
 
+def staging_path(out: Path, pid: int) -> Path:
+    """Where build process `pid` writes the package `out` before installing it."""
+    return out.with_name(f"{out.stem}.{pid}.tmp.pt2")
+
+
 def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") -> Path:
     """Export and compile the `kind` step for `model` in `dtype` into the package `out` (written
-    whole, then renamed into place: a reader never sees half a package)."""
+    whole, its sha256 recorded beside it, then renamed into place: a reader never sees half a
+    package)."""
     hf_model, _ = load_hf_model(model, dtype)
     program = _export_batch(hf_model, dtype) if kind == "batch" else _export_lone(hf_model, dtype)
     del hf_model
@@ -129,10 +149,10 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
     if kind == "lone":
         configs["realize_reads_threshold"] = 1
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
+    staging = staging_path(out, os.getpid())
     with torch.no_grad():
         torch._inductor.aoti_compile_and_package(program, package_path=str(staging), inductor_configs=configs)
-    staging.replace(out)
+    install(staging, out)
     # Older builds for this model, dtype and kind (other code, another torch) are never loaded
     # again; a package written elsewhere (--out) leaves its folder alone.
     if out.parent.resolve() == packages_folder().resolve():
@@ -140,6 +160,7 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
         for stale in out.parent.glob(f"{family}-*.pt2"):
             if stale != out and ".tmp." not in stale.name:
                 stale.unlink(missing_ok=True)
+                digest_path(stale).unlink(missing_ok=True)
     return out
 
 
@@ -175,6 +196,87 @@ def _export_batch(hf_model, dtype: torch.dtype):
                {0: batch, 1: own_blocks}, {0: batch, 1: own_blocks * bs})
     with torch.no_grad():
         return torch.export.export(step, example, dynamic_shapes=dynamic)
+
+
+@dataclass(eq=False)
+class _Build:
+    """A build subprocess, the leader of its own process group, and what it may leave behind."""
+    process: subprocess.Popen
+    scratch: Path  # inductor's cache for this build (hundreds of MB), chosen by the engine
+    staging: Path  # the half-written package
+
+    def end(self) -> None:
+        """Kill the whole group (the compiler's workers with the build) and remove what it left."""
+        if self.process.returncode is None:  # not reaped yet: the group's id is still its own
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=30)
+        self.clean()
+
+    def clean(self) -> None:
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        self.staging.unlink(missing_ok=True)
+
+
+_builds: set[_Build] = set()  # running now, ended when this process exits
+_builds_lock = threading.Lock()  # held while a build starts: none starts once exiting is set
+_exiting = threading.Event()
+
+
+@atexit.register
+def _end_builds() -> None:
+    """A build outliving its engine (a one-off script, a server shut down) would compile on, orphaned."""
+    with _builds_lock:
+        _exiting.set()
+        running = list(_builds)
+    for build in running:
+        build.end()
+
+
+# What a build leaves in the packages folder while it runs: the scratch folder its engine made
+# (named for the engine's pid) and its half-written package and digest (named for its own).
+_LEFTOVER = re.compile(r"^\.scratch-(\d+)-|\.(\d+)\.tmp(\.pt2)?$")
+
+
+def _sweep_leftovers(folder: Path) -> None:
+    """Remove what builds left whose processes are gone (an engine killed before it could)."""
+    for entry in folder.iterdir():
+        match = _LEFTOVER.search(entry.name)
+        if match and not _alive(int(match.group(1) or match.group(2))):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that pid
+        return True
+    return True
+
+
+def _end_with_parent(parent: int) -> None:
+    """End this build, and its process group, when the engine process `parent` is gone: a killed
+    engine can end nothing, and its build would compile on for minutes, orphaned."""
+    def watch() -> None:
+        try:
+            handle = os.pidfd_open(parent)
+        except (AttributeError, OSError):  # no pidfds here, or the parent is gone already
+            handle = None
+        if handle is not None and os.getppid() == parent:
+            select.select([handle], [], [])  # readable once it has exited
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        if os.getpgrp() == os.getpid():  # a group of its own: the compiler's workers are in it
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
 
 
 class CompiledDecode:
@@ -231,13 +333,31 @@ class CompiledDecode:
     def _prepare(self) -> None:
         with contextlib.suppress(OSError):  # this thread only: the serving thread keeps its priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        folder = packages_folder()
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            problem = folder_problem(folder)
+        except OSError as error:
+            problem = f"{folder} cannot be used: {error}"
+        if problem is not None:
+            self.error = f"compiled packages refused: {problem}"
+            log.warning("not loading or building compiled decode steps, decoding eagerly: %s", problem)
+            return
+        _sweep_leftovers(folder)
         # The lone step first: a single user, the common case on a quiet server, waits on it.
         for kind in KINDS:
             try:
                 path = self.paths[kind] = package_path(self.model, self.dtype, kind)
-                if not path.exists():
+                problem = digest_problem(path) if path.exists() else None
+                if problem is not None:
+                    log.warning("refusing the compiled %s decode step %s: %s; building it afresh", kind, path.name,
+                                problem)
+                if problem is not None or not path.exists():
                     _check_compiler()
                     self._build_in_subprocess(path, kind)
+                    problem = digest_problem(path)
+                    if problem is not None:
+                        raise RuntimeError(f"the package built was refused: {problem}")
                 run = torch._inductor.aoti_load_package(str(path))
                 if kind == "lone":
                     self._run = run
@@ -253,17 +373,34 @@ class CompiledDecode:
     def _build_in_subprocess(self, path: Path, kind: str) -> None:
         log.info("building the compiled %s decode step (once per machine): %s", kind, path.name)
         root = Path(__file__).resolve().parents[2]
-        command = [sys.executable, "-m", "engine.worker.compiled_decode", "--background", "--dtype",
-                   str(self.dtype).removeprefix("torch."), "--kind", kind, "--out", str(path)]
-        if self.model:
-            command += ["--model", self.model]
+        with _builds_lock:
+            if _exiting.is_set():
+                raise RuntimeError("not building: this process is exiting")
+            scratch = Path(tempfile.mkdtemp(prefix=f".scratch-{os.getpid()}-", dir=path.parent))
+            command = [sys.executable, "-m", "engine.worker.compiled_decode", "--background", "--dtype",
+                       str(self.dtype).removeprefix("torch."), "--kind", kind, "--out", str(path),
+                       "--scratch", str(scratch), "--parent", str(os.getpid())]
+            if self.model:
+                command += ["--model", self.model]
+            try:
+                process = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(root)}, cwd=root,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                           start_new_session=True)
+            except BaseException:
+                shutil.rmtree(scratch, ignore_errors=True)
+                raise
+            build = _Build(process, scratch, staging_path(path, process.pid))
+            _builds.add(build)
         try:
-            done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(root)}, cwd=root,
-                                  capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired as error:
-            raise RuntimeError(f"the build took over {BUILD_TIMEOUT_S} s and was stopped") from error
-        if done.returncode != 0:
-            raise RuntimeError(f"the build exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
+            _, stderr = process.communicate(timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the build took over {BUILD_TIMEOUT_S} s and was stopped") from None
+        finally:
+            build.end()
+            with _builds_lock:
+                _builds.discard(build)
+        if process.returncode != 0:
+            raise RuntimeError(f"the build exited with {process.returncode}: {stderr.strip()[-2000:]}")
 
     def forget(self) -> None:
         """Drop the kept K/V: another path wrote to the cache, blocks moved, or nothing is left to run."""
@@ -341,16 +478,27 @@ def main() -> None:
     parser.add_argument("--kind", choices=KINDS, default="lone", help="a lone chat's step or a batch's")
     parser.add_argument("--out", default=None, help="package path (default: this machine's cache entry)")
     parser.add_argument("--background", action="store_true", help="at a low priority (beside a serving engine)")
+    parser.add_argument("--scratch", default=None,
+                        help="folder for the compiler's own cache, which the caller removes (default: a temporary one)")
+    parser.add_argument("--parent", type=int, default=None, help="end when this process (the engine) is gone")
     args = parser.parse_args()
+    if args.parent is not None:
+        _end_with_parent(args.parent)
     if args.background:
         os.nice(10)
     dtype = getattr(torch, args.dtype)
     out = Path(args.out) if args.out else package_path(args.model, dtype, args.kind)
-    if out.exists() and not args.out:
-        print(f"already built: {out}")
-        return
-    with tempfile.TemporaryDirectory(prefix="pagedchat-inductor-") as scratch:
+    if not args.out:
+        out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = folder_problem(out.parent)
+        if problem is not None:
+            sys.exit(f"not building into {out.parent}, which the engine would refuse to load from: {problem}")
+        if out.exists() and digest_problem(out) is None:
+            print(f"already built: {out}")
+            return
+    with contextlib.ExitStack() as stack:
         # inductor's own cache of the build (hundreds of MB) goes with the scratch folder
+        scratch = args.scratch or stack.enter_context(tempfile.TemporaryDirectory(prefix="pagedchat-inductor-"))
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch
         print(f"built: {build(args.model, dtype, out, args.kind)}")
 
