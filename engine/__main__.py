@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args(argv)
 
-    engine = LLMEngine(args.model, args.device)
+    # One reply ends long before a compiled decode step could be built (minutes, in the
+    # background): a build started for it would only be stopped again as the command exits.
+    engine = LLMEngine(args.model, args.device, compile_decode=False if args.prompt is not None else None)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     messages = [{"role": "system", "content": args.system}] if args.system else []
