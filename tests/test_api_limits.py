@@ -123,9 +123,18 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(request, eng
         assert refused.status_code == 400 and error["param"] == param, refused.text
         assert "characters" in error["message"] and f"max_model_len={MAX_MODEL_LEN}" in error["message"], error
         assert f"{MAX_MODEL_LEN * longest}" in error["message"], error
-        assert took < took_tokenizing / 4, f"{path} took {took:.2f} s to refuse; tokenizing took {took_tokenizing:.2f} s"
+        assert took < took_tokenizing / 4, f"{path} refused in {took:.2f} s; tokenizing took {took_tokenizing:.2f} s"
     fits = httpx.post(f"{url}/v1/completions", json={"prompt": "A short one.", "max_tokens": 2}, timeout=60)
     assert fits.status_code == 200, fits.text
+
+
+def test_tokenize_errors_from_its_thread_are_400_naming_the_parameter(in_process):
+    bad_id = httpx.post(f"{in_process}/detokenize", json={"tokens": [1, -1]}, timeout=60)
+    assert bad_id.status_code == 400 and error_of(bad_id)["param"] == "tokens" and "got -1" in bad_id.text
+    neither = httpx.post(f"{in_process}/tokenize", json={}, timeout=60)
+    assert neither.status_code == 400 and error_of(neither)["param"] == "prompt"
+    both = httpx.post(f"{in_process}/tokenize", json={"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]})
+    assert both.status_code == 400 and error_of(both)["param"] == "prompt"
 
 
 # ---- the body limit -----------------------------------------------------------------------------------
