@@ -5,7 +5,8 @@ serves alone and what the chat app serves next to its pages.
     /health  /metrics  /tokenize  /detokenize                         (open, as on vLLM's server)
 
 Every error answers in OpenAI's shape (engine/api/errors.py). A body larger than MAX_BODY_BYTES
-is refused before it is read.
+is refused with 413 before the routes see any of it, and no text is tokenized on the event loop
+(engine/api/tokenization.py, engine/core_client.py).
 """
 from __future__ import annotations
 
