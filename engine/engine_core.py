@@ -12,6 +12,7 @@ import time
 import torch
 
 import kernels
+from engine.core.block_hash import DEFAULT_HASH_ALGO
 from engine.core.block_map import BlockMap, BlockMapState
 from engine.core.config import DEFAULT_MAX_STEP_MS, SchedulerConfig
 from engine.core.request import FinishReason, Request
@@ -37,8 +38,9 @@ class EngineCore:
                  gpu_memory_utilization: float = 0.9, kv_cache_memory_gib: float = 1.0,
                  swap_space: float = 1.0, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 preemption_mode: str = "auto", watermark: float = 0.01, cuda_graphs: bool | None = None,
-                 compile_decode: bool | None = None, max_step_ms: float | None = DEFAULT_MAX_STEP_MS) -> None:
+                 prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO, preemption_mode: str = "auto", watermark: float = 0.01,
+                 cuda_graphs: bool | None = None, compile_decode: bool | None = None,
+                 max_step_ms: float | None = DEFAULT_MAX_STEP_MS) -> None:
         self.device = resolve_device(device)
         if self.device.type == "cpu":
             keep_freed_memory()  # before the weights: every step's activations then reuse one heap
@@ -66,7 +68,8 @@ class EngineCore:
             num_device_blocks=device_blocks, num_host_blocks=host_blocks, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
-            preemption_mode=preemption_mode, watermark=watermark, max_step_ms=max_step_ms)
+            prefix_caching_hash_algo=prefix_caching_hash_algo, preemption_mode=preemption_mode, watermark=watermark,
+            max_step_ms=max_step_ms)
         self.scheduler = Scheduler(self.config)
         if cuda_graphs is None:  # on a GPU by default; elsewhere only asked for (the tests do)
             cuda_graphs = self.device.type == "cuda"

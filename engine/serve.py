@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 from engine.api import add_openai_api
 from engine.api.access import is_loopback
+from engine.core.block_hash import DEFAULT_HASH_ALGO, HASH_ALGOS
 from engine.core.config import DEFAULT_MAX_STEP_MS
 from engine.frontend.request_streams import StreamingClient
 
@@ -54,11 +55,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """How the engine serves: its step-time target and where it runs (the app takes them too)."""
+    """How the engine serves: its step-time target, its prefix cache's hash and where it runs (the
+    app takes them too)."""
     env = os.environ.get
     parser.add_argument("--max-step-ms", type=float, default=float(env("PAGEDCHAT_MAX_STEP_MS", DEFAULT_MAX_STEP_MS)),
                         help="step-time target: prompts are computed in chunks that keep every streaming reply's "
                              f"steps under it; 0 turns it off ($PAGEDCHAT_MAX_STEP_MS; default {DEFAULT_MAX_STEP_MS:g})")
+    parser.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS,
+                        default=env("PAGEDCHAT_PREFIX_CACHING_HASH_ALGO", DEFAULT_HASH_ALGO),
+                        help="the prefix cache's block hash: xxh3 (fast, unkeyed) or sha256 (no collision can be "
+                             "searched for, where users may attack each other) ($PAGEDCHAT_PREFIX_CACHING_HASH_ALGO; "
+                             f"default {DEFAULT_HASH_ALGO})")
     parser.add_argument("--engine-in-process", action="store_true",
                         default=env("PAGEDCHAT_ENGINE_IN_PROCESS", "") not in ("", "0"),
                         help="run the engine on a thread of the server's process, not in a process of its own "
@@ -69,7 +76,8 @@ def start_engine(args: argparse.Namespace, max_waiting: int, **options) -> Strea
     """The engine client that `args` ask for: the engine core in its own process (the default)
     or on a thread of this one. `options`: more of the engine's."""
     options = {"num_gpu_blocks": args.num_gpu_blocks, "num_cpu_blocks": args.num_cpu_blocks,
-               "max_step_ms": args.max_step_ms or None, **options}
+               "max_step_ms": args.max_step_ms or None, "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
+               **options}
     if args.engine_in_process:
         from engine.client import EngineClient
         from engine.llm_engine import LLMEngine

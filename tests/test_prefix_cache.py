@@ -1,6 +1,14 @@
-"""Prefix caching through the scheduler: shared system prompts, later turns, LRU order."""
+"""Prefix caching through the scheduler: shared system prompts, later turns, LRU order; the
+block hash, xxh3 or sha256, through the scheduler, the engine and `engine.serve`'s flag."""
+import hashlib
+import struct
+
+import httpx
+import pytest
+
 from engine.core.block_hash import extend_block_hashes, hash_block
 from engine.core.block_map import BlockState
+from engine_servers import EngineServer
 from simulation import make, request, run
 
 SYSTEM = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]  # three blocks of 4
@@ -164,3 +172,72 @@ def test_forked_samples_keep_their_parents_salt():
     long_prompt = prompt + child.output_token_ids
     assert _cached_after(sched, runner, "ada-2", long_prompt, "ada", 8) > 12
     assert _cached_after(sched, runner, "bob", long_prompt, "bob", 8) == 8
+
+
+@pytest.mark.parametrize("algo", ["xxh3", "sha256"])
+def test_a_shared_prefix_hits_with_either_hash(algo):
+    sched, runner = make(num_device_blocks=32, prefix_caching_hash_algo=algo)
+    sched.add_request(request("a", SYSTEM + [30, 31], max_tokens=5, ignore_eos=True))
+    run(sched, runner)
+    sched.add_request(request("b", SYSTEM + [40], max_tokens=5, ignore_eos=True))
+    assert run(sched, runner)["b"].num_cached_tokens == len(SYSTEM)
+    # and a salted prompt only its own user's, past the shared prefix (as with the default hash)
+    prompt = SYSTEM[:8] + [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    assert _cached_after(sched, runner, "ada-1", prompt, "ada", 8) == 8
+    assert _cached_after(sched, runner, "bob-1", prompt, "bob", 8) == 8
+    assert _cached_after(sched, runner, "ada-2", prompt, "ada", 8) == 16
+
+
+def test_the_sha256_chain_is_sha256_of_the_parent_and_the_tokens():
+    """A block's sha256 hash is the digest of its parent's 32-byte digest (zeros for the first
+    block), its token ids as little-endian int64, and, when salted, b"\\0salt\\0" and the salt."""
+    tokens, salt = list(range(100, 148)), "ada@example.com"
+    chain: list[int] = []
+    extend_block_hashes(chain, tokens, 16, 3, salt, salt_from=1, algo="sha256")
+    parent, expected = bytes(32), []
+    for i in range(3):
+        data = parent + struct.pack("<16q", *tokens[16 * i:16 * (i + 1)])
+        if i == 1:
+            data += b"\0salt\0" + salt.encode()
+        parent = hashlib.sha256(data).digest()
+        expected.append(int.from_bytes(parent, "little"))
+    assert chain == expected
+    assert hash_block(0, tokens[:16], algo="sha256") == expected[0]
+
+
+@pytest.mark.parametrize("algo", ["xxh3", "sha256"])
+def test_different_salts_never_share_a_hash(algo):
+    tokens = list(range(16))
+    unsalted = hash_block(0, tokens, algo=algo)
+    salted = {hash_block(0, tokens, f"user-{i}", algo=algo) for i in range(5000)}
+    assert len(salted) == 5000 and unsalted not in salted
+    assert hash_block(0, tokens, "", algo=algo) != unsalted  # an empty salt is still a salt
+
+
+def test_the_engine_hashes_blocks_with_sha256_when_asked(tiny_model_dir):
+    from engine import LLM, SamplingParams
+
+    llm = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=32, num_cpu_blocks=0,
+              prefix_caching_hash_algo="sha256")
+    prompt = list(range(5, 5 + 40))
+    first, second = (llm.generate([prompt], SamplingParams(max_tokens=2))[0] for _ in range(2))
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 32
+    hashes = [info.block_hash for info in llm.block_map().device if info.block_hash is not None]
+    assert hashes and max(hashes) >= 2 ** 128  # 256-bit digests, not xxh3's 128 bits
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
+        LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=32, prefix_caching_hash_algo="md5")
+
+
+def test_the_server_takes_the_hash_flag_and_hits_the_prefix(tiny_model_dir, tmp_path):
+    """`python -m engine.serve --prefix-caching-hash-algo sha256` (the app takes the same flag)."""
+    server = EngineServer(tiny_model_dir, tmp_path)
+    server.options += ["--prefix-caching-hash-algo", "sha256"]
+    server.start(timeout=180)
+    try:
+        body = {"model": "tiny", "prompt": "a shared preamble that spans several blocks of tokens " * 4,
+                "max_tokens": 2}
+        cached = [httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["usage"]
+                  ["prompt_tokens_details"]["cached_tokens"] for _ in range(2)]
+        assert cached[0] == 0 and cached[1] >= 32
+    finally:
+        server.stop()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.core.block_hash import DEFAULT_HASH_ALGO, HASH_ALGOS
+
 PREEMPTION_MODES = ("swap", "recompute", "auto")
 # The engine's step-time target unless told otherwise: a streaming reply's tokens come at most
 # about this far apart while another chat's prompt is computed (see engine/core/step_cost.py).
@@ -26,6 +28,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None    # None: as long as the device pool can hold
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO  # "sha256" where users may attack each other (block_hash.py)
     preemption_mode: str = "auto"
     watermark: float = 0.01             # share of device blocks kept free when admitting work
     # Stall-free batching: a step's prompt tokens are limited to what the step's decodes leave
@@ -43,6 +46,9 @@ class SchedulerConfig:
             raise ValueError(f"num_host_blocks must be a non-negative integer, got {self.num_host_blocks!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (the kernels tile by it), got {self.block_size}")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
+                             f"got {self.prefix_caching_hash_algo!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_step_ms is not None and not self.max_step_ms > 0:

@@ -6,7 +6,7 @@ does): it hands back the (src, dst) block pairs to copy.
 """
 from __future__ import annotations
 
-from engine.core.block_hash import extend_block_hashes
+from engine.core.block_hash import DEFAULT_HASH_ALGO, extend_block_hashes
 from engine.core.block_pool import Block, BlockPool, NoFreeBlocksError
 from engine.core.request import Request
 
@@ -19,9 +19,10 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int = 16,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, hash_algo: str = DEFAULT_HASH_ALGO) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_algo = hash_algo
         self.device = BlockPool(num_device_blocks, block_size, caching=enable_prefix_caching)
         self.host = BlockPool(num_host_blocks, block_size, caching=False)
         self.prefix_cache_queries = 0  # tokens looked up
@@ -45,7 +46,7 @@ class KVCacheManager:
 
     def _hash_blocks(self, request: Request, num_blocks: int) -> None:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_blocks,
-                            request.cache_salt, request.num_shared_prefix_tokens // self.block_size)
+                            request.cache_salt, request.num_shared_prefix_tokens // self.block_size, self.hash_algo)
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += request.num_tokens

@@ -91,7 +91,7 @@ class Scheduler:
         self.config = config
         self.clock = clock  # arrival and first-token times (the queue's wait)
         self.kv = KVCacheManager(config.num_device_blocks, config.num_host_blocks, config.block_size,
-                                 config.enable_prefix_caching)
+                                 config.enable_prefix_caching, config.prefix_caching_hash_algo)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # earliest arrival first
         self.swapped: list[Request] = []   # earliest arrival first
