@@ -49,7 +49,7 @@ def folder_problem(folder: Path) -> str | None:
 
 def sha256_of(path: Path) -> str:
     with open(path, "rb") as file:
-        return hashlib.file_digest(file, "sha256").hexdigest()  # releases the GIL as it reads
+        return hashlib.file_digest(file, "sha256").hexdigest()  # reading and hashing release the GIL
 
 
 def install(staging: Path, package: Path) -> None:
