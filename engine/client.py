@@ -2,7 +2,8 @@
 callers at once (the callers' side is engine/frontend/request_streams.py; engine/core_client.py runs the
 engine in a process of its own instead, behind the same interface).
 
-Only the loop thread touches the engine, its tokenizer included. Callers talk to it through one
+Only the loop thread touches the engine; callers tokenize their prompts with a copy of its
+tokenizer (engine/frontend/input_processor.py's CallerSideInputs). Callers talk to it through one
 thread-safe inbox (add, abort, snapshot requests) and read their request's deltas from a stream
 of its own.
 """
@@ -19,6 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin 
 from engine.core.block_map import BlockMap
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
+from engine.frontend.input_processor import CallerSideInputs
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineInfo
 from engine.frontend.request_streams import (LIVENESS_CHECK_S, EngineBusyError, EngineDeadError, Stream,
@@ -37,6 +39,7 @@ class EngineClient(StreamingClient):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stats = engine.stats()
         self._info = engine.info()
+        self._inputs = CallerSideInputs(engine.tokenizer)
         self._stopping = threading.Event()
         self._death: str | None = None  # why the loop stopped, if a fault stopped it
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -49,12 +52,16 @@ class EngineClient(StreamingClient):
 
     # ---- caller side --------------------------------------------------------------------
     def _add(self, stream: Stream, prompt, params: SamplingParams, options: dict) -> None:
-        self.engine.inputs.check_fits(prompt, self._info.max_model_len)  # a text too long is not tokenized on the loop
-        self._ask(("add", prompt, params, options, stream, Future()))
+        if self.closed:
+            raise EngineDeadError(self._dead_reason())
+        processed = self._inputs.prepare(prompt, options, self._info)
+        self._ask(("add", processed, params, options, stream, Future()))
 
     async def _add_async(self, stream: Stream, prompt, params: SamplingParams, options: dict) -> None:
-        self.engine.inputs.check_fits(prompt, self._info.max_model_len)
-        await self._ask_async(("add", prompt, params, options, stream, Future()))
+        if self.closed:
+            raise EngineDeadError(self._dead_reason())
+        processed = await self._inputs.aprepare(prompt, options, self._info)
+        await self._ask_async(("add", processed, params, options, stream, Future()))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -119,6 +126,7 @@ class EngineClient(StreamingClient):
                     raise EngineDeadError(self._dead_reason()) from None
 
     def close(self) -> None:
+        self._inputs.close()
         self._stopping.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout=30)
@@ -191,7 +199,7 @@ class EngineClient(StreamingClient):
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "add":
-            _, prompt, params, options, stream, future = message
+            _, processed, params, options, stream, future = message
             request_id = stream.request_id
             try:
                 if request_id in self._streams:
@@ -200,8 +208,7 @@ class EngineClient(StreamingClient):
                 if waiting >= self.max_waiting:
                     raise EngineBusyError(f"the engine is busy: {waiting} requests are waiting "
                                           f"(limit {self.max_waiting}); try again in a moment")
-                # Tokenizing happens here, on this thread only: fast tokenizers are not safe to share.
-                self.engine.add_request(request_id, prompt, params, **options)
+                self.engine.add_processed(request_id, processed, params, cache_salt=options["cache_salt"])
             except Exception as error:
                 future.set_exception(error)
                 return

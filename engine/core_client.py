@@ -16,7 +16,6 @@ again (`restarts` counts them).
 """
 from __future__ import annotations
 
-import asyncio
 import copy
 import itertools
 import logging
@@ -27,16 +26,15 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from engine.core.block_map import BlockMap
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import check_prompt_length
 from engine.core.stats import SchedulerStats
-from engine.frontend.input_processor import InputProcessor, ProcessedPrompt
+from engine.frontend.input_processor import CallerSideInputs, ProcessedPrompt
 from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import EngineInfo
 from engine.frontend.request_streams import LIVENESS_CHECK_S, EngineBusyError, EngineDeadError, Stream, StreamingClient
@@ -62,11 +60,8 @@ class CoreProcessClient(StreamingClient):
         self._options = {"model": model, "device": device, "dtype": dtype, "num_threads": num_threads, **options}
         self.tokenizer = load_tokenizer(model)
         # Their own copies: prompts are tokenized on callers' threads, replies detokenized on the reader's.
-        self._inputs = InputProcessor(copy.deepcopy(self.tokenizer))
+        self._inputs = CallerSideInputs(self.tokenizer)
         self._outputs = OutputProcessor(copy.deepcopy(self.tokenizer))
-        self._input_lock = threading.Lock()
-        self._input_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-tokenizer")  # asubmit's
-        self._input_thread.submit(lambda: None)  # its thread starts now: a steady thread count from the first request
         self._send_lock = threading.Lock()
         self._restart = restart
         self._closing = False
@@ -107,24 +102,14 @@ class CoreProcessClient(StreamingClient):
         return "the engine core is not running"
 
     def _add(self, stream: Stream, prompt, params: SamplingParams, options: dict) -> None:
-        self._take(stream, self._prepare(prompt, options), params, options)
-
-    async def _add_async(self, stream: Stream, prompt, params: SamplingParams, options: dict) -> None:
-        # Tokenizing (seconds for a long text) on a thread of its own, never on the event loop that
-        # streams every other reply; a caller cancelled meanwhile has taken nothing to abort.
-        processed = await asyncio.get_running_loop().run_in_executor(self._input_thread, self._prepare, prompt, options)
-        self._take(stream, processed, params, options)
-
-    def _prepare(self, prompt, options: dict) -> ProcessedPrompt:
-        """The prompt's token ids; raises for one that cannot fit (a long text before tokenizing)."""
         if self.closed:
             raise EngineDeadError(self._dead_reason())
-        info = self._info
-        self._inputs.check_fits(prompt, info.max_model_len)
-        with self._input_lock:  # a fast tokenizer is not thread-safe
-            processed = self._inputs.process(prompt, options["cache_salt"], options["num_shared_messages"])
-        check_prompt_length(len(processed.token_ids), info.max_model_len, info.num_device_blocks * info.block_size)
-        return processed
+        self._take(stream, self._inputs.prepare(prompt, options, self._info), params, options)
+
+    async def _add_async(self, stream: Stream, prompt, params: SamplingParams, options: dict) -> None:
+        if self.closed:
+            raise EngineDeadError(self._dead_reason())
+        self._take(stream, await self._inputs.aprepare(prompt, options, self._info), params, options)
 
     def _take(self, stream: Stream, processed: ProcessedPrompt, params: SamplingParams, options: dict) -> None:
         """Register the request and send it to the core."""
@@ -192,7 +177,7 @@ class CoreProcessClient(StreamingClient):
         except (OSError, ValueError):
             pass
         self._stop_process(grace_s=10.0)
-        self._input_thread.shutdown(wait=False, cancel_futures=True)
+        self._inputs.close()
         self._finish_all_streams("abort")
         self._answer_asks(EngineDeadError(self._dead_reason()))
         if self._reader is not threading.current_thread():

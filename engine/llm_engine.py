@@ -11,7 +11,7 @@ from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.engine_core import EngineCore
-from engine.frontend.input_processor import InputProcessor
+from engine.frontend.input_processor import InputProcessor, ProcessedPrompt
 from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import Delta, EngineInfo
 
@@ -76,7 +76,12 @@ class LLMEngine:
         With `cache_salt` (the user), its prefix-cache blocks can be hit only by requests with the
         same salt, except those wholly inside the first `num_shared_messages` messages (a preset
         system prompt everyone shares). Raises (queueing nothing) on an empty or too long prompt."""
-        processed = self.inputs.process(prompt, cache_salt, num_shared_messages)
+        return self.add_processed(request_id, self.inputs.process(prompt, cache_salt, num_shared_messages), params,
+                                  cache_salt=cache_salt)
+
+    def add_processed(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams, *,
+                      cache_salt: str | None = None) -> Request:
+        """`add_request` for a prompt already tokenized (by an engine client, off the step loop)."""
         request = self.core.add_request(request_id, processed.token_ids, params, cache_salt=cache_salt,
                                         num_shared_prefix_tokens=processed.num_shared_prefix_tokens)
         self.outputs.add_request(request_id, processed.token_ids, params)

@@ -266,3 +266,35 @@ def test_an_async_reader_that_falls_behind_gets_them_merged_too(client):
     tokens = [t for d in deltas for t in d.token_ids]
     assert len(tokens) == 40 and len(deltas) == 2
     assert all(len(d.logprobs) == len(d.token_ids) for d in deltas)  # one entry per token, still aligned
+
+
+def test_prompts_are_tokenized_on_the_callers_side_never_on_the_engine_loop(tiny_model_dir, monkeypatch):
+    """A long text takes seconds to tokenize: on the thread that steps the engine, every stream
+    would wait for it; on the event loop, every reply of the server would."""
+    from engine.frontend.input_processor import InputProcessor
+
+    threads: list[str] = []
+    encode = InputProcessor.encode
+
+    def recorded(self, prompt):
+        threads.append(threading.current_thread().name)
+        return encode(self, prompt)
+
+    monkeypatch.setattr(InputProcessor, "encode", recorded)
+    client = EngineClient(LLMEngine(tiny_model_dir, device="cpu", num_gpu_blocks=64, num_cpu_blocks=16))
+    try:
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        assert len(list(client.submit("Hello there", params))) >= 1
+
+        async def chat() -> str:
+            loop_thread = threading.current_thread().name
+            deltas = [d async for d in await client.asubmit([{"role": "user", "content": "Hi"}], params)]
+            assert deltas
+            return loop_thread
+
+        loop_thread = asyncio.run(chat())
+    finally:
+        client.close()
+    assert threads and "engine-loop" not in threads, threads
+    assert threads[0] == threading.current_thread().name  # submit: the caller's own thread
+    assert loop_thread not in threads[1:]  # asubmit: not the event loop's

@@ -6,10 +6,15 @@ hold), so a prompt is first measured in characters: no token is longer than the 
 longest, so a text longer than `max_model_len` of those cannot fit, and is refused untokenized."""
 from __future__ import annotations
 
+import asyncio
+import copy
 import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from engine.core.scheduler import PromptTooLongError
+from engine.core.scheduler import PromptTooLongError, check_prompt_length
+from engine.outputs import EngineInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,34 @@ class InputProcessor:
         rendered = self.tokenizer.apply_chat_template([{"role": role, "content": content} for role, content in messages],
                                                       add_generation_prompt=False, tokenize=False)
         return self.encode(rendered)
+
+
+class CallerSideInputs:
+    """Prompts tokenized on the callers' side of an engine client, never on the thread that steps
+    the engine (every stream would wait for a long text) nor on the event loop that streams them:
+    a synchronous caller tokenizes on its own thread, an async one on a thread kept for it. One
+    tokenizer copy, used by one thread at a time (a fast tokenizer is not thread-safe)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._inputs = InputProcessor(copy.deepcopy(tokenizer))
+        self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-tokenizer")
+        self._thread.submit(lambda: None)  # its thread starts now: a steady thread count from the first request
+
+    def prepare(self, prompt: str | list[int] | list[dict], options: dict, info: EngineInfo) -> ProcessedPrompt:
+        """The prompt's token ids; raises for one that cannot fit (a long text before tokenizing)."""
+        self._inputs.check_fits(prompt, info.max_model_len)
+        with self._lock:
+            processed = self._inputs.process(prompt, options["cache_salt"], options["num_shared_messages"])
+        check_prompt_length(len(processed.token_ids), info.max_model_len, info.num_device_blocks * info.block_size)
+        return processed
+
+    async def aprepare(self, prompt: str | list[int] | list[dict], options: dict, info: EngineInfo) -> ProcessedPrompt:
+        """`prepare` on the kept thread; a caller cancelled meanwhile has taken nothing."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.prepare, prompt, options, info)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 def longest_token_chars(tokenizer) -> int:
