@@ -17,7 +17,7 @@ from .schema import migrate
 
 
 class NotFound(KeyError):
-    """A user, conversation or message that does not exist *for this user*.
+    """A conversation or message that does not exist *for this user*.
 
     Another user's conversation reads exactly like a missing one: the message never says
     whether the row exists elsewhere.
@@ -116,22 +116,7 @@ class Store:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # --- users: a row per person who signs in; everything else hangs off it -------------------
-
-    def ensure_user(self, user_id: str, name: str | None = None) -> dict:
-        """The user's row, created on first sight; a given name replaces the stored one."""
-        validation.user_id(user_id)
-        with self.connections.transaction() as db:
-            db["users"].insert({"id": user_id, "name": name, "created": now()}, ignore=True)
-            if name is not None:
-                db["users"].update(user_id, {"name": name})
-            return db["users"].get(user_id)
-
-    def delete_user(self, user_id: str) -> None:
-        """The user and, by cascade, all their conversations and messages."""
-        with self.connections.transaction() as db:
-            if db.execute("delete from users where id = ?", [user_id]).rowcount == 0:
-                raise NotFound("user", user_id)
+    # --- all of a user's conversations at once (the user's row comes with their first) ---------
 
     def delete_conversations(self, user_id: str) -> int:
         """All of the user's conversations (and, by cascade, their messages); returns how many.
@@ -240,13 +225,6 @@ class Store:
                 raise ValueError(f"only the user's own messages can be edited; message {message_id} is the "
                                  f"{original['role']}'s")
             return self._append(db, conversation_id, row, parent_id=original["parent_id"])
-
-    def edit_last_user_message(self, user_id: str, conversation_id: int, content: str) -> dict:
-        """`edit_message` on the last user message of the branch shown."""
-        last_user = next((m for m in reversed(self.messages(user_id, conversation_id)) if m["role"] == "user"), None)
-        if last_user is None:
-            raise NotFound("user message in conversation", conversation_id)
-        return self.edit_message(user_id, conversation_id, last_user["id"], content)
 
     def show_version(self, user_id: str, conversation_id: int, message_id: int) -> list[dict]:
         """Show the branch through `message_id` (one version of a message): it continues down the

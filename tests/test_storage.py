@@ -44,14 +44,6 @@ def test_a_new_conversation_reads_back_as_created(store):
     assert store.messages("ada", c["id"]) == []
 
 
-def test_users_are_ensured_once_and_renamed(store):
-    first = store.ensure_user("ada", name="Ada")
-    again = store.ensure_user("ada")
-    assert again == first and again["name"] == "Ada"
-    assert store.ensure_user("ada", name="Ada L.")["name"] == "Ada L."
-    assert count(store, "users") == 1
-
-
 def test_rename_and_system_prompt_change_the_row_and_bump_updated(store, chat):
     renamed = store.rename("ada", chat["id"], "KV blocks")
     assert renamed["title"] == "KV blocks" and renamed["updated"] > chat["updated"]
@@ -148,13 +140,6 @@ def test_editing_any_user_message_forks_there_and_keeps_what_followed_the_old_on
         store.edit_message("ada", chat["id"], store.messages("ada", chat["id"])[1]["id"], "I said so")
 
 
-def test_editing_the_last_user_message_forks_before_its_reply(store, chat):
-    edited = store.edit_last_user_message("ada", chat["id"], "How are KV blocks freed?")
-    assert [(m["role"], m["content"]) for m in store.messages("ada", chat["id"])] == [
-        ("user", "How are KV blocks freed?")]
-    assert edited["role"] == "user" and count(store, "messages") == 3
-
-
 def test_a_version_is_shown_only_within_its_own_conversation(store, chat):
     other = store.create_conversation("ada", title="other")
     mine = store.messages("ada", chat["id"])[0]["id"]
@@ -191,7 +176,7 @@ def test_bad_input_is_refused_with_a_clear_error(store, chat, call, error):
     lambda s, c: s.delete_conversation("bob", c),
     lambda s, c: s.add_message("bob", c, "user", "hello from bob"),
     lambda s, c: s.replace_last_assistant("bob", c, "bob's reply"),
-    lambda s, c: s.edit_last_user_message("bob", c, "bob's words"),
+    lambda s, c: s.edit_message("bob", c, s.messages("ada", c)[0]["id"], "bob's words"),
 ], ids=["read", "messages", "rename", "system_prompt", "delete", "add_message", "regenerate", "edit"])
 def test_another_users_conversation_behaves_as_missing(store, chat, operation):
     before = (store.conversation("ada", chat["id"]), store.messages("ada", chat["id"]))
@@ -243,17 +228,16 @@ def test_search_treats_any_text_as_plain_words(store, chat, query, finds):
 
 # --- integrity: cascades, foreign keys, transactions ---------------------------------------
 
-def test_deleting_a_user_deletes_everything_of_theirs(store, chat):
+def test_deleting_a_users_conversations_deletes_their_messages_and_keeps_the_user(store, chat):
     store.add_message("bob", store.conversations("bob")[0]["id"], "user", "Bob's blocks")
-    store.delete_user("ada")
+    assert store.delete_conversations("ada") == 1
     assert store.db.execute("select count(*) from conversations where user_id = 'ada'").fetchone()[0] == 0
     assert store.db.execute("select count(*) from messages join conversations c on c.id = conversation_id "
                             "where c.user_id = 'ada'").fetchone()[0] == 0
-    assert (count(store, "users"), count(store, "conversations"), count(store, "messages")) == (1, 1, 1)
+    assert (count(store, "users"), count(store, "conversations"), count(store, "messages")) == (2, 1, 1)
     assert store.search("ada", "blocks") == [] and len(store.search("bob", "blocks")) == 1
-    assert store.db["users"].count_where("id = 'ada'") == 0
-    with pytest.raises(NotFound, match="user 'ada'"):
-        store.delete_user("ada")
+    assert store.db["users"].count_where("id = 'ada'") == 1  # signing in again finds an empty list
+    assert store.delete_conversations("ada") == 0
 
 
 def test_moving_conversations_gives_them_and_their_messages_to_the_other_user(store, chat):
