@@ -9,8 +9,9 @@ import os
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Engines decode eagerly here: a compiled decode step is built (a minute of both cores for the
-# real model) only where tests/test_compiled_decode.py asks for one.
+# Engines decode eagerly here: compiled decode steps are built (minutes of both cores for the real
+# model: ~2.5 min for SmolLM2's two packages on a 2-core Zen 5, 7-11 min in fp32 on a busy 2-core
+# Zen 1 EPYC) only where tests/test_compiled_decode.py asks for one.
 os.environ.setdefault("PAGEDCHAT_COMPILE", "0")
 
 import pytest  # noqa: E402

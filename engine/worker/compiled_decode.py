@@ -16,8 +16,9 @@ a 32-chat bf16 step in 0.86-0.91 of the eager step's time, fp32 0.98.
 A package depends on the model's weights, the dtype, torch, the CPU's vector instructions
 and this code, so it is keyed by all of them and kept under `cache_dir()/compiled`
 ($PAGEDCHAT_COMPILED_DIR when set). A missing one is built by a subprocess at a low priority (`python -m engine.worker.compiled_decode`,
-~50-60 s for SmolLM2-135M on 2 cores, once), then loaded by a thread (~2 s, releasing the
-GIL): the engine starts as fast as without it and decodes eagerly until the graph is ready.
+once, in minutes: SmolLM2-135M's lone and batch packages together take ~2.5 min on a 2-core Zen 5,
+7-11 min in fp32 on a busy 2-core Zen 1 EPYC), then loaded by a thread (~2 s, releasing the GIL):
+the engine starts as fast as without it and decodes eagerly until the graph is ready.
 Built or loaded, each package holds another copy of the weights.
 
 Loading a package runs its native code, so only a package this user's own build recorded, in a
@@ -58,7 +59,9 @@ log = logging.getLogger(__name__)
 
 CAPACITY_STEP = 64    # the K/V buffer grows by this many tokens; attention runs over all of it, masked
 MAX_CONTEXT = 4096    # longer contexts decode eagerly (the buffer of SmolLM2 at 4,096 tokens is 190 MB in fp32)
-BUILD_TIMEOUT_S = 30 * 60  # a build that takes longer is stopped (SmolLM2 takes ~1 min on 2 cores)
+# One package's build that takes longer is stopped (SmolLM2's lone and batch packages together
+# take ~2.5 min on a 2-core Zen 5, 7-11 min in fp32 on a busy 2-core Zen 1 EPYC).
+BUILD_TIMEOUT_S = 30 * 60
 DTYPES = (torch.float32, torch.bfloat16)
 KINDS = ("lone", "batch")  # one sequence's step (`DecodeStep`), a batch's (`BatchDecodeStep`)
 BATCH_BLOCK_SIZE = 16  # the batch graph reads caches of this block size (the engine's default)
