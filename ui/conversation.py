@@ -163,7 +163,8 @@ class Turns:
         self._limits = {"user": (max_per_user, TOO_MANY), "session": (max_per_session, TOO_MANY_IN_PAGE),
                         "address": (max_per_address, TOO_MANY_FROM_ADDRESS)}
         self._lock = threading.Lock()
-        self._ending: dict[tuple[str, int], threading.Event] = {}
+        # (user, conversation) with a reply in progress -> set once that reply has ended and been stored
+        self._replying: dict[tuple[str, int], threading.Event] = {}
         self._in_progress: dict[tuple[str, str], int] = {}  # (kind, key) -> replies in progress
 
     def start(self, user: str, conversation_id: int | None, origin: Origin = ANYWHERE) -> Turn:
@@ -190,7 +191,7 @@ class Turns:
 
     def busy(self, user: str, conversation_id: int | None) -> bool:
         with self._lock:
-            return (user, conversation_id) in self._ending
+            return (user, conversation_id) in self._replying
 
     def in_progress(self, user: str) -> int:
         """The user's replies in progress now."""
@@ -200,19 +201,19 @@ class Turns:
     def wait(self, user: str, conversation_id: int | None, timeout: float) -> None:
         """Until the conversation's reply (if any) has ended and been stored, or `timeout`."""
         with self._lock:
-            ended = self._ending.get((user, conversation_id))
+            ended = self._replying.get((user, conversation_id))
         if ended is not None:
             ended.wait(timeout=timeout)
 
     def _take(self, user: str, conversation_id: int) -> None:
         with self._lock:
-            if (user, conversation_id) in self._ending:
+            if (user, conversation_id) in self._replying:
                 raise ChatInputError(BUSY)
-            self._ending[(user, conversation_id)] = threading.Event()
+            self._replying[(user, conversation_id)] = threading.Event()
 
     def _release(self, user: str, conversation_id: int) -> None:
         with self._lock:
-            ended = self._ending.pop((user, conversation_id))
+            ended = self._replying.pop((user, conversation_id))
         ended.set()
 
     def _free_slots(self, slots: list[tuple[str, str]]) -> None:
@@ -434,12 +435,17 @@ class ChatController:
         self._turns.wait(user, conversation_id, timeout)
         return render.chat_messages(self._rows(user, conversation_id))
 
-    # ---- replies: each says what differs, `_reply` does the rest -------------------------------
+    # ---- replies: each says what differs, `_reply` does the rest. Each checks its input and takes
+    # the conversation's turn when called, and returns the reply's views: nothing is submitted or
+    # stored until they are iterated.
     @owned
     def send(self, user: str, conversation_id: int | None, message: str, system_prompt: str,
              sliders: Sliders, origin: Origin = ANYWHERE) -> ReplyViews:
-        """A new user message and its reply; the first one creates the conversation, titled
-        from the message. A prompt the engine refuses stores nothing."""
+        """The views of a new user message and its reply, which send nothing until iterated: the
+        call checks the input and takes the conversation's turn (ChatInputError now, if it may
+        not); iterating submits the prompt, stores the message (the first one creates the
+        conversation, titled from it) and streams the reply. A prompt the engine refuses stores
+        nothing."""
         conversation_id = checked_id(conversation_id)
         text = checked_text(message, "message").strip()
         system_prompt = checked_text(system_prompt, "system prompt")
