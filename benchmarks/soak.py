@@ -11,7 +11,7 @@ Meanwhile a prober loads the page and Gradio's config every half second. At the 
 - blocks left in use once every user has stopped (0 means nothing leaked), and preemptions,
 - TTFT p50/p99 as the user sees it, and the page-load and config-fetch p99 during the run.
 
-    python benchmarks/soak.py --users 64 --minutes 10 --gpu-blocks 48   # what BENCHMARKS.md records
+    python benchmarks/soak.py --users 64 --minutes 10 --gpu-blocks 256  # BENCHMARKS.md's figures (48: its small pool)
     python benchmarks/soak.py --users 4 --minutes 0.3 --model <folder>   # the suite's short run
 """
 from __future__ import annotations
