@@ -66,6 +66,11 @@ class EngineClient(StreamingClient):
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def _close_stream(self, stream: Stream) -> None:
+        self._inbox.put(("close", stream))  # the loop checks it is still that stream's request
+
+    _drop = _close_stream  # a queue put takes no lock a finalizer could find held
+
     def stats(self) -> SchedulerStats:
         return self._stats
 
@@ -167,6 +172,12 @@ class EngineClient(StreamingClient):
                 self._fail_open_requests(f"{type(error).__name__}: {error}")
             self._stats = self.engine.stats()
 
+    def _abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        finally:
+            self._finish_stream(request_id, "abort")
+
     def _fail_open_requests(self, reason: str) -> None:
         for request_id in list(self._streams):
             try:
@@ -215,12 +226,12 @@ class EngineClient(StreamingClient):
             self._register(stream, params)
             future.set_result(None)
         elif kind == "abort":
-            request_id = message[1]
-            if request_id in self._streams:
-                try:
-                    self.engine.abort_request(request_id)
-                finally:
-                    self._finish_stream(request_id, "abort")
+            if message[1] in self._streams:
+                self._abort(message[1])
+        elif kind == "close":
+            stream = message[1]
+            if self._streams.get(stream.request_id) is stream:
+                self._abort(stream.request_id)
         elif kind == "block_map":
             future = message[1]
             try:

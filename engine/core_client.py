@@ -20,6 +20,7 @@ import copy
 import itertools
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -68,6 +69,7 @@ class CoreProcessClient(StreamingClient):
         self._alive = threading.Event()
         self._death: str | None = None  # why the last core ended, while no new one serves
         self._asks: dict[int, Future] = {}
+        self._dropped: queue.SimpleQueue[Stream] = queue.SimpleQueue()  # see `_drop`
         self._ask_ids = itertools.count()
         self.restarts = 0
         self._process: subprocess.Popen | None = None
@@ -142,6 +144,16 @@ class CoreProcessClient(StreamingClient):
                 self._send(("abort", request_id))
             except (OSError, ValueError):  # the core is gone: nothing left to abort
                 pass
+
+    def _drop(self, stream: Stream) -> None:
+        # Aborting takes the locks the reader holds while it routes (a finalizer may run there),
+        # so the reader closes dropped streams before its next message; a running request sends
+        # one every step.
+        self._dropped.put(stream)
+
+    def _close_dropped(self) -> None:
+        while not self._dropped.empty():
+            self._close_stream(self._dropped.get_nowait())
 
     def block_map(self, timeout: float = 10.0) -> BlockMap:
         """Every block's state, taken by the core between two steps (built here, off it)."""
@@ -240,6 +252,7 @@ class CoreProcessClient(StreamingClient):
                 return
 
     def _on_message(self, message: tuple) -> None:
+        self._close_dropped()
         kind = message[0]
         if kind == "step":
             _, outputs, stats, pending = message

@@ -1,5 +1,6 @@
 """The engine client: many concurrent callers, streaming, abort, disconnects, snapshots."""
 import asyncio
+import gc
 import threading
 import time
 
@@ -298,3 +299,64 @@ def test_prompts_are_tokenized_on_the_callers_side_never_on_the_engine_loop(tiny
     assert threads and "engine-loop" not in threads, threads
     assert threads[0] == threading.current_thread().name  # submit: the caller's own thread
     assert loop_thread not in threads[1:]  # asubmit: not the event loop's
+
+
+# ---- a stream the caller lets go of: the client aborts its request, however it was let go ------
+def final_reasons(client) -> dict[str, str]:
+    """request id -> its final delta's finish reason, as the client routes them (a request that
+    ran out by itself says "length"; one the client aborted says "abort")."""
+    reasons: dict[str, str] = {}
+
+    def listen(delta, now: float) -> None:
+        if delta.finish_reason is not None:
+            reasons.setdefault(delta.request_id, delta.finish_reason)
+    client.add_listener(listen)
+    return reasons
+
+
+def wait_for_abort(client, reasons: dict[str, str], request_id: str) -> None:
+    """The request ended by an abort (not by running out) and the engine holds nothing: the
+    deadline is generous; the finish reason shows it was the abort that ended it."""
+    deadline = time.monotonic() + 10.0
+    while request_id not in reasons and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert reasons.get(request_id) == "abort", reasons.get(request_id)
+    wait_until_idle(client, 10.0)
+
+
+@pytest.mark.parametrize("when", ["before the first delta", "mid-stream"])
+@pytest.mark.parametrize("how", ["closed", "dropped"])
+def test_a_stream_let_go_of_aborts_its_request(client, how, when):
+    reasons = final_reasons(client)
+    request_id = f"let-go-sync-{how}-{when}"
+    stream = client.submit(QUESTIONS[5], SamplingParams(temperature=0, max_tokens=900, ignore_eos=True),
+                           request_id=request_id)
+    if when == "mid-stream":
+        next(stream)
+    if how == "closed":
+        stream.close()
+    else:
+        del stream
+        gc.collect()
+    wait_for_abort(client, reasons, request_id)
+
+
+@pytest.mark.parametrize("when", ["before the first delta", "mid-stream"])
+@pytest.mark.parametrize("how", ["closed", "dropped"])
+def test_an_async_stream_let_go_of_aborts_its_request(client, how, when):
+    reasons = final_reasons(client)
+    request_id = f"let-go-async-{how}-{when}"
+
+    async def main():
+        stream = await client.asubmit(QUESTIONS[6], SamplingParams(temperature=0, max_tokens=900, ignore_eos=True),
+                                      request_id=request_id)
+        if when == "mid-stream":
+            await anext(stream)
+        if how == "closed":
+            await stream.aclose()
+        else:
+            del stream
+            gc.collect()
+        await asyncio.to_thread(wait_for_abort, client, reasons, request_id)
+
+    asyncio.run(main())

@@ -4,10 +4,11 @@ request's deltas from a stream of its own, many at once, and the side that runs 
 each step's deltas to those streams, to the listeners (metrics) and to the record of recent times
 to first token.
 
-`submit()` validates and queues at once (a bad prompt raises in the caller) and returns an
-iterator; a caller that stops iterating aborts its request, so its blocks return at once.
-`asubmit()` is the same for a coroutine: its reader waits on its event loop, holding no thread,
-so a web server can stream thousands of replies and cancel one the moment its client leaves.
+`submit()` validates and queues at once (a bad prompt raises in the caller) and returns a
+DeltaStream; a caller that closes or drops it aborts its request, so its blocks return at once
+(engine/frontend/delta_stream.py). `asubmit()` is the same for a coroutine: its reader waits on
+its event loop, holding no thread, so a web server can stream thousands of replies and cancel one
+the moment its client leaves.
 """
 from __future__ import annotations
 
@@ -18,15 +19,15 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 
 from engine.core.block_map import BlockMap
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
+from engine.frontend.delta_stream import DONE, AsyncDeltaStream, DeltaStream
 from engine.outputs import Delta, EngineInfo, FirstToken
 
 log = logging.getLogger(__name__)
-DONE = object()
 RECENT_FIRST_TOKENS = 256
 LIVENESS_CHECK_S = 1.0  # how often a waiting caller checks that the engine is still running
 
@@ -133,6 +134,18 @@ class StreamingClient:
     def abort(self, request_id: str) -> None:
         raise NotImplementedError
 
+    def _close_stream(self, stream: Stream) -> None:
+        """Abort `stream`'s request if it still runs: its caller closed it. By the stream, not its
+        id alone: a caller may reuse the id of a request that has finished."""
+        with self._lock:
+            if self._streams.get(stream.request_id) is stream:
+                self.abort(stream.request_id)
+
+    def _drop(self, stream: Stream) -> None:
+        """`_close_stream` for the finalizer of a stream dropped unclosed: it runs on any thread at
+        any moment (inside this client's locked code too), so it must take no lock: queue it."""
+        raise NotImplementedError
+
     def stats(self) -> SchedulerStats:
         """The latest step's stats (an immutable snapshot; never blocks)."""
         raise NotImplementedError
@@ -166,19 +179,19 @@ class StreamingClient:
     # ---- caller side --------------------------------------------------------------------
     def submit(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                request_id: str | None = None, *, cache_salt: str | None = None,
-               num_shared_messages: int = 0) -> Iterator[Delta]:
+               num_shared_messages: int = 0) -> DeltaStream:
         """Queue a prompt (text, token ids, or chat messages rendered with the chat template) and
-        return an iterator over its deltas, ending after every sample's final delta. `cache_salt`
+        return a stream of its deltas, ending after every sample's final delta. `cache_salt`
         (the user) keeps its prefix-cache blocks to that user, apart from the first
         `num_shared_messages` messages (see LLMEngine.add_request)."""
         stream = Stream(request_id or f"req-{next(self._ids)}")
         options = {"cache_salt": cache_salt, "num_shared_messages": num_shared_messages}
         self._add(stream, prompt, params or SamplingParams(), options)  # a bad prompt raises here
-        return self._iterate(stream)
+        return DeltaStream(self, stream)
 
     async def asubmit(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                       request_id: str | None = None, *, cache_salt: str | None = None,
-                      num_shared_messages: int = 0) -> AsyncIterator[Delta]:
+                      num_shared_messages: int = 0) -> AsyncDeltaStream:
         """`submit` for a coroutine: the deltas come as an async iterator whose waits hold no
         thread. Cancelling the caller (here, or while it iterates) aborts the request."""
         stream = Stream(request_id or f"req-{next(self._ids)}", asyncio.get_running_loop())
@@ -188,36 +201,7 @@ class StreamingClient:
         except asyncio.CancelledError:  # the engine may take the request after we stop waiting
             self.abort(stream.request_id)
             raise
-        return self._aiterate(stream)
-
-    def _iterate(self, stream: Stream) -> Iterator[Delta]:
-        finished = False
-        try:
-            item = stream.get(self._why_dead)
-            while item is not DONE:
-                deltas, item = _coalesced(item, stream)
-                yield from deltas
-                if item is None:
-                    item = stream.get(self._why_dead)
-            finished = True
-        finally:
-            if not finished:  # the caller stopped reading (or disconnected): free its blocks now
-                self.abort(stream.request_id)
-
-    async def _aiterate(self, stream: Stream) -> AsyncIterator[Delta]:
-        finished = False
-        try:
-            item = await stream.aget(self._why_dead)
-            while item is not DONE:
-                deltas, item = _coalesced(item, stream)
-                for delta in deltas:
-                    yield delta
-                if item is None:
-                    item = await stream.aget(self._why_dead)
-            finished = True
-        finally:
-            if not finished:  # closed or cancelled mid-reply (a client gone): free its blocks now
-                self.abort(stream.request_id)
+        return AsyncDeltaStream(self, stream)
 
     def _why_dead(self) -> str | None:
         return self._dead_reason() if self.closed else None
@@ -290,24 +274,3 @@ class StreamingClient:
             except Exception:  # a metrics bug must not fail a request
                 log.exception("engine client listener failed")
 
-
-def _coalesced(first: Delta, stream: Stream) -> tuple[list[Delta], object | None]:
-    """`first` and every delta already waiting behind it, a sample's consecutive ones merged into
-    one: a reader that fell behind (a busy server) catches up in one chunk, not one per token.
-    Returns the deltas and the item that ended the run (DONE), or None if the queue ran dry."""
-    merged = [first]
-    while (item := stream.get_nowait()) is not None:
-        if item is DONE:
-            return merged, DONE
-        last = merged[-1]
-        if item.index == last.index and last.finish_reason is None:
-            merged[-1] = _merge(last, item)
-        else:
-            merged.append(item)
-    return merged, None
-
-
-def _merge(a: Delta, b: Delta) -> Delta:
-    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or ()) + (b.logprobs or ())
-    return Delta(a.request_id, a.index, a.text + b.text, a.token_ids + b.token_ids, finish_reason=b.finish_reason,
-                 usage=b.usage, error=b.error, logprobs=logprobs)
