@@ -36,7 +36,7 @@ from storage import Store, default_path, hub_backup
 from ui import backends
 from ui.backends.backend import ChatBackend
 from ui.chat import build_chat
-from ui.conversation import MAX_IMPORT_BYTES
+from ui.chat_input import MAX_IMPORT_BYTES
 from ui.panel.load_generator import LoadGenerator
 from ui.panel.page import build_panel
 from ui.panel.feed import PanelFeed

@@ -18,8 +18,10 @@ from engine.outputs import Delta
 from storage import Store
 from ui import backends
 from ui.backends.backend import Reply
-from ui.conversation import (BUSY, MAX_REPLIES_PER_USER, NOT_YOURS, TOO_MANY, UNSAVED_MESSAGE, UNSAVED_REPLY,
-                             ChatController, ChatInputError, ChatView, last_user_index, last_user_message)
+from ui.chat_input import NOT_YOURS, ChatInputError
+from ui.conversation import ChatController
+from ui.replies import UNSAVED_MESSAGE, UNSAVED_REPLY, ChatView, last_user_index, last_user_message
+from ui.turns import BUSY, MAX_REPLIES_PER_USER, TOO_MANY
 from ui.presets import PRESETS
 
 SYSTEM = PRESETS["Helpful assistant"]
@@ -335,13 +337,13 @@ def test_a_full_chat_leaves_out_its_oldest_turns_only_when_asked(chat, store, cl
 def test_continue_in_a_new_chat_carries_a_summary(chat, store):
     user = new_user()
     conversation_id = turn(chat, user, "Remember the number 4096")[-1].conversation_id
-    new_id = asyncio.run(chat.continue_with_summary(user, conversation_id, greedy()))
+    new_id = asyncio.run(chat.continue_with_summary(user, conversation_id, greedy()).new_chat())
     new = store.conversation(user, new_id)
     assert new_id != conversation_id and new["title"].endswith("(continued)")
     assert new["system_prompt"].startswith(SYSTEM) and "This chat continues an earlier one" in new["system_prompt"]
     assert store.messages(user, new_id) == [] and len(store.messages(user, conversation_id)) == 2
     with pytest.raises(ChatInputError, match=NOT_YOURS):
-        asyncio.run(chat.continue_with_summary(new_user(), conversation_id, greedy()))
+        chat.continue_with_summary(new_user(), conversation_id, greedy())
 
 
 # ---- Stop -------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from served_app import Served  # noqa: E402
 
 from benchmarks.gradio_http import fn_index, submit  # noqa: E402
 from storage import Store  # noqa: E402
-from ui.conversation import MAX_IMPORT_BYTES  # noqa: E402
+from ui.chat_input import MAX_IMPORT_BYTES  # noqa: E402
 from ui.sessions import Sessions  # noqa: E402
 
 

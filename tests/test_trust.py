@@ -28,8 +28,7 @@ from engine.serve import build_server
 from storage import Store
 from ui import backends
 from ui.backends.backend import Reply
-from ui.conversation import (MAX_REPLIES_PER_ADDRESS, MAX_REPLIES_PER_SESSION, TOO_MANY_FROM_ADDRESS,
-                             TOO_MANY_IN_PAGE)
+from ui.turns import MAX_REPLIES_PER_ADDRESS, MAX_REPLIES_PER_SESSION, TOO_MANY_FROM_ADDRESS, TOO_MANY_IN_PAGE
 from ui.panel.operator import OWNER_ENV, SPACE_ENV, TOKEN_ENV
 from ui.presets import PRESETS
 

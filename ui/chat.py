@@ -19,7 +19,9 @@ from ui.backends.backend import ChatBackend
 from storage import Store
 from ui import chat_memory, context_meter, identity, page_script, params, presets
 from ui.space import on_space
-from ui.conversation import ChatController, ChatInputError, ChatView, ReplyViews, checked_id
+from ui.chat_input import ChatInputError, checked_id
+from ui.conversation import ChatController
+from ui.replies import ChatView, ReplyViews
 from ui.sessions import Sessions, until_gone
 
 # A fixed key and secret keep the browser's id readable across server restarts; the id is
@@ -262,8 +264,9 @@ def build_chat(backend: ChatBackend, store: Store, sessions: Sessions | None = N
                           profile: gr.OAuthProfile | None = None):
         user = identity.resolve_user(user_id, profile)
         with shown_to_user():
-            new_id = await chat.continue_with_summary(user, conversation_id, (temperature, top_p, max_tokens),
-                                                      identity.origin_of(request))
+            continuation = await asyncio.to_thread(chat.continue_with_summary, user, conversation_id,
+                                                   (temperature, top_p, max_tokens), identity.origin_of(request))
+            new_id = await continuation.new_chat()
             opened = await asyncio.to_thread(chat.open_chat, user, new_id)
         gr.Info("A new chat carries a summary of the old one in its system prompt (under the parameters).")
         return (opened.messages, new_id, opened.preset, opened.custom, opened.title, opened.last_user_message,

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import gradio as gr
 
 from engine.api.access import client_address, made_here
-from ui.conversation import Origin
+from ui.turns import Origin
 from ui.space import on_space
 
 ANONYMOUS = re.compile(r"anon:[0-9a-f]{32}")
