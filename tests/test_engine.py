@@ -192,3 +192,19 @@ def test_a_lone_chat_goes_on_from_the_last_steps_plan_until_blocks_move(tiny_mod
     # The same chat in a batch (gathered every step) decodes the same tokens.
     batch = llm.generate(ids + prompts_of(tokenizer, TEXTS[:1]), SamplingParams(max_tokens=8, **GREEDY))
     assert batch[0].outputs[0].token_ids == lone
+
+
+def test_a_step_on_another_path_drops_the_kept_k_v(tiny_model_dir, tokenizer):
+    """Whatever path writes the cache (here the padded decode-graph path, which a CPU runs
+    eagerly), the eager path's kept K/V of a lone chat is dropped at once, not kept stale: one
+    rule for every writer (ModelRunner._wrote)."""
+    llm = LLM(tiny_model_dir, num_gpu_blocks=64, max_num_seqs=4, cuda_graphs=True)
+    runner = llm.engine.runner
+    assert runner.graphs is not None
+    ids = prompts_of(tokenizer, TEXTS[2:3])
+    llm.engine.add_request("lone", ids[0], SamplingParams(max_tokens=8, **GREEDY))
+    llm.engine.step()  # the prompt, eagerly: its plan is kept
+    assert runner.last_path == "eager" and runner._last_plan is not None
+    llm.engine.step()  # one decode: the decode-graph path writes the cache
+    assert runner.last_path == "graphs"
+    assert runner._last_plan is None

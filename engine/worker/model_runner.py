@@ -42,9 +42,13 @@ class ModelRunner:
                                       dtype=model.dtype, pin_memory=pin)
         self._generators: dict[str, torch.Generator | None] = {}
         self.compiled = compiled
-        # The last eager step's attention plan: the next step's may carry on from it (a lone
-        # decoding chat keeps its gathered K/V), unless blocks were swapped or copied in between.
+        # Two paths keep a lone decoding chat's K/V from step to step: the eager path in its last
+        # attention plan, the compiled lone step in its buffer. One rule keeps both right: every
+        # write to the cache (a step on any path, a swap, a copy) bumps `_cache_writes`; each keeper
+        # notes its value after its own write, and one that missed a write is dropped at once.
         self._last_plan = None
+        self._cache_writes = 0
+        self._plan_writes = self._lone_writes = -1
         # Per request sampled this step (when its params ask for logprobs): for each sample, the
         # model's log-probabilities of its top tokens and of the sampled one.
         self.logprobs: dict[str, list[dict[int, float]]] = {}
@@ -54,8 +58,8 @@ class ModelRunner:
         for request_id in out.finished_ids:
             self._generators.pop(request_id, None)
         if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
-            self._forget_kept()
-        self._move_blocks(out)
+            self._move_blocks(out)
+            self._wrote("moves")
         if not out.scheduled:
             return {}
         input_ids, positions, slots, cu_q, k_lens, table_rows, sample_rows = [], [], [], [0], [], [], []
@@ -83,13 +87,10 @@ class ModelRunner:
             # One sequence decoding alone: what a single user waits for, as one compiled call.
             logits, known_argmax = self.compiled.decode(input_ids[0], positions[0], table_rows[0], k_lens[0],
                                                         self.kv_cache, bs)
-            self._last_plan = None  # the eager path's kept K/V did not see this token
             self.last_path = "lone"
         elif (len(input_ids) == len(table_rows) and self.compiled is not None and self.compiled.batch_ready
               and 1 < len(table_rows) <= MAX_BATCH and bs == BATCH_BLOCK_SIZE and max(k_lens) <= MAX_CONTEXT):
             # A batch of decodes (one new token per sequence), as one compiled call.
-            self.compiled.forget()  # the lone step's kept K/V did not see these tokens
-            self._last_plan = None
             logits, best = self.compiled.decode_batch(input_ids, table_rows, k_lens, self.kv_cache, bs)
             if len(sample_rows) < len(table_rows):  # a one-token prompt chunk that does not sample
                 rows = torch.tensor(sample_rows, dtype=torch.int64)
@@ -97,10 +98,9 @@ class ModelRunner:
             known_argmax = best
             self.last_path = "batch"
         else:
-            if self.compiled is not None:
-                self.compiled.forget()  # this step may write blocks a later lone step would find unchanged
             logits = self._forward_eager(input_ids, positions, slots, cu_q, k_lens, table_rows, sample_rows)
             self.last_path = "eager"
+        self._wrote(self.last_path)
         if not sample_rows:
             return {}
         return self._sample(out, logits, sample_rows, known_argmax)
@@ -113,6 +113,19 @@ class ModelRunner:
     def _forget_kept(self) -> None:
         self._last_plan = None
         if self.compiled is not None:
+            self.compiled.forget()
+
+    def _wrote(self, path: str) -> None:
+        """The cache was written by `path` ("lone", "eager", or anything else): the keeper that
+        wrote it stays current, the other is dropped now (up to ~190 MB), not at its next use."""
+        self._cache_writes += 1
+        if path == "lone":
+            self._lone_writes = self._cache_writes
+        elif path == "eager":
+            self._plan_writes = self._cache_writes
+        if self._plan_writes != self._cache_writes:
+            self._last_plan = None
+        if self.compiled is not None and self._lone_writes != self._cache_writes:
             self.compiled.forget()
 
     def _forward_eager(self, input_ids: list[int], positions: list[int], slots: list[int], cu_q: list[int],
