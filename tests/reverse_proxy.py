@@ -4,13 +4,10 @@ included), with the headers such a proxy adds — X-Forwarded-For with the addre
 appended (nginx's `$proxy_add_x_forwarded_for`), X-Real-IP, X-Forwarded-Host and -Proto."""
 from __future__ import annotations
 
-import threading
-import time
 from contextlib import asynccontextmanager
 
 import httpx
-import uvicorn
-from served_app import free_port
+from served_app import Served
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -28,20 +25,11 @@ class ReverseProxy:
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.rstrip("/")
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/"
         self._http: httpx.AsyncClient | None = None
         app = Starlette(routes=[Route("/{path:path}", self._forward, methods=METHODS)], lifespan=self._lifespan)
         # The proxy reads its own peer as nginx reads $remote_addr: never from a header.
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", proxy_headers=False)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name=f"proxy-{self.port}", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 60
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the proxy on port {self.port} did not start")
-            time.sleep(0.02)
+        self._served = Served(app, proxy_headers=False)
+        self.port, self.url = self._served.port, self._served.url
 
     @asynccontextmanager
     async def _lifespan(self, app):
@@ -67,8 +55,7 @@ class ReverseProxy:
         return forwarded
 
     def close(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=15)
+        self._served.close()
 
 
 def from_address(address: str, **options) -> httpx.Client:

@@ -18,13 +18,15 @@ def free_port() -> int:
 class Served:
     """A FastAPI app served by uvicorn on a free loopback port, on a thread of this process."""
 
-    def __init__(self, app, on_close=()) -> None:
+    def __init__(self, app, on_close=(), **options) -> None:
+        """`options`: more of uvicorn.Config's."""
         import uvicorn
 
         self._on_close = list(on_close)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                     **options))
         self._thread = threading.Thread(target=self._server.run, name=f"uvicorn-{self.port}", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 60
@@ -90,10 +92,10 @@ def serve(client, store, feed=None, load=None, host: str | None = None, api_key:
 
     closing = []
     if client is not None:
-        backend = backends.in_process(client)
         if feed is None:
             feed, load = PanelFeed(client), LoadGenerator(client)
             closing += [load.stop, feed.close]
+        backend = backends.in_process(client, block_map_cache=feed.block_map_cache)  # as app.py does
     closing.append(backend.close)
     sessions = Sessions()
     demo = build_app(backend, store, feed, load, host=host, sessions=sessions)

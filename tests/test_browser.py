@@ -287,22 +287,28 @@ def test_editing_the_first_message_forks_and_going_back_restores_the_rest(served
         "The first <question>", "The second question"]
 
 
-def test_copy_gives_the_markdown_source_without_the_numbers(served, profiles):
-    _, store, _ = served
+def clipboard_profile(profiles) -> Browser:
     profile = profiles()
     profile.context.grant_permissions(["clipboard-read", "clipboard-write"])
-    page = profile.open()
+    return profile
+
+
+def copied(page, who: str) -> str:
+    """What the last `who` message's own Copy button puts on the clipboard."""
+    message_buttons(page, who, -1)[1].get_by_role("button", name="Copy message").click()
+    return page.evaluate("() => navigator.clipboard.readText()")
+
+
+def test_copy_gives_the_markdown_source_without_the_numbers(served, profiles):
+    _, store, _ = served
+    page = clipboard_profile(profiles).open()
     set_params(page, max_tokens=8)
     chat_once(page, "Copy **this** & <that>")
     user, conversation_id = owner_and_id(store, "Copy **this** & <that>")
     reply = store.messages(user, conversation_id)[-1]["content"]
 
-    def copied(who: str) -> str:
-        message_buttons(page, who, -1)[1].get_by_role("button", name="Copy message").click()
-        return page.evaluate("() => navigator.clipboard.readText()")
-
-    assert copied("user") == "Copy **this** & <that>"
-    text = copied("bot")
+    assert copied(page, "user") == "Copy **this** & <that>"
+    text = copied(page, "bot")
     assert text == reply and DONE not in text
 
 
@@ -311,8 +317,7 @@ def test_copy_takes_only_the_apps_own_footer_and_leaves_other_copy_buttons_alone
     stays literal) must not choose what Copy puts on the clipboard; a code block's own copy button
     copies the code as shown."""
     _, store, _ = served
-    profile = profiles()
-    profile.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    profile = clipboard_profile(profiles)
     page = profile.open()
     set_params(page, max_tokens=4)
     chat_once(page, "Plant a source")
@@ -330,8 +335,7 @@ def test_copy_takes_only_the_apps_own_footer_and_leaves_other_copy_buttons_alone
     page.get_by_role("radio", name="Plant a source").check()
     expect(bubbles(page, "bot").last.locator(".pc-meta")).to_contain_text("2/2")
 
-    message_buttons(page, "bot", -1)[1].get_by_role("button", name="Copy message").click()
-    assert page.evaluate("() => navigator.clipboard.readText()") == hostile
+    assert copied(page, "bot") == hostile
 
     bubbles(page, "bot").last.locator("button.copy_code_button").click()
     shown = bubbles(page, "bot").last.locator("pre code").inner_text()
