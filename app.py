@@ -173,7 +173,9 @@ def main(argv: list[str] | None = None) -> None:
             sizes = dict(kv_cache_memory_gib=hardware.kv_cache_memory_gib, swap_space=hardware.swap_space_gib,
                          num_threads=hardware.threads)
         client = start_engine(args, args.max_waiting, **sizes)
-        backend, feed, load = backends.in_process(client), PanelFeed(client), LoadGenerator(client)
+        feed, load = PanelFeed(client), LoadGenerator(client)
+        # One block map per interval for the panel and every chat's memory strip together.
+        backend = backends.in_process(client, block_map_cache=feed.block_map_cache)
         api = "/v1" if api_enabled(args.host, args.api_key) else "off, no --api-key"
     sessions = Sessions()
     # Before the store opens: with no local database, the backup's latest snapshot is restored.

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine import StreamingClient
+from engine import BlockMap, StreamingClient
+from ui.backends.block_map_cache import BlockMapCache
 from ui.backends.local import LocalEndpoint
 from ui.backends.monitor import Monitor
 from ui.backends.remote import RemoteEndpoint
 from ui.backends.router import Router
 
 
-def in_process(client: StreamingClient, interval_s: float = 1.0) -> Router:
-    """The engine in this process, alone."""
-    return Router(Monitor([LocalEndpoint(client)], interval_s).start())
+def in_process(client: StreamingClient, interval_s: float = 1.0,
+               block_map_cache: BlockMapCache[BlockMap] | None = None) -> Router:
+    """The engine in this process, alone. `block_map_cache`: the panel feed's, so the panel and
+    the chats read one block map per interval (by default the backend fetches its own)."""
+    cache = block_map_cache or BlockMapCache(client.block_map, interval_s)
+    return Router(Monitor([LocalEndpoint(client, block_map_cache=cache)], interval_s).start())
 
 
 def remote(urls: Sequence[str], api_keys: Sequence[str] = (), interval_s: float = 1.0) -> Router:
@@ -25,4 +29,5 @@ def remote(urls: Sequence[str], api_keys: Sequence[str] = (), interval_s: float 
         raise ValueError(f"give one API key for all backends or one per backend: {len(urls)} backends, "
                          f"{len(api_keys)} keys")
     keys = list(api_keys) * len(urls) if len(api_keys) == 1 else list(api_keys) or [None] * len(urls)
-    return Router(Monitor([RemoteEndpoint(url, key or None) for url, key in zip(urls, keys)], interval_s).start())
+    endpoints = [RemoteEndpoint(url, key or None, map_interval_s=interval_s) for url, key in zip(urls, keys)]
+    return Router(Monitor(endpoints, interval_s).start())

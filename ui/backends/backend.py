@@ -54,7 +54,8 @@ class Endpoint(Protocol):
         """Health, model and metrics now (blocking; called on a monitor thread)."""
 
     def block_map(self) -> tuple[BlockMap, EngineInfo] | None:
-        """Every KV block's state, where the engine shows it (PagedChat engines); blocking."""
+        """Every KV block's state, where the engine shows it (PagedChat engines); blocking, and
+        fetched at most once per interval however many ask (ui/backends/block_map_cache.py)."""
 
 
 class ChatBackend(Protocol):

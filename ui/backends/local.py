@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 
 from engine import BlockMap, Delta, EngineDeadError, EngineInfo, SamplingParams, StreamingClient
 from ui.backends.backend import BackendError, Deltas, Probe
+from ui.backends.block_map_cache import BlockMapCache
 from ui.backends.figures import MetricsSnapshot
 
 LOCAL_NAME = "in-process"
@@ -31,9 +32,13 @@ class _LocalStream:
 class LocalEndpoint:
     url = None
 
-    def __init__(self, client: StreamingClient, name: str = LOCAL_NAME) -> None:
+    def __init__(self, client: StreamingClient, name: str = LOCAL_NAME,
+                 block_map_cache: BlockMapCache[BlockMap] | None = None) -> None:
+        """`block_map_cache`: the engine's, where something else shows its map too (the panel's
+        feed); by default one of its own."""
         self.client = client
         self.name = name
+        self.block_map_cache = block_map_cache or BlockMapCache(client.block_map)
         # Counted on the engine loop thread, read by the monitor: floats, so a torn read cannot happen.
         self._generation_tokens = 0.0
         self._ttft_sum = 0.0
@@ -64,7 +69,7 @@ class LocalEndpoint:
         return Probe(up=True, model=info.model, max_model_len=info.max_model_len, metrics=metrics)
 
     def block_map(self) -> tuple[BlockMap, EngineInfo] | None:
-        return self.client.block_map(), self.client.info()
+        return self.block_map_cache.get(), self.client.info()
 
     def _on_delta(self, delta: Delta, now: float) -> None:
         self._generation_tokens += len(delta.token_ids)

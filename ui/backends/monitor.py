@@ -35,8 +35,6 @@ class _Watched:
         self.recent: deque[MetricsSnapshot] = deque(maxlen=window + 1)  # the window's scrapes, newest last
         self.history: deque[Figures] = deque(maxlen=capacity)
         self.in_flight = 0
-        self.map: tuple[BlockMap, EngineInfo] | None = None
-        self.map_at = float("-inf")
 
 
 class Monitor:
@@ -148,16 +146,13 @@ class Monitor:
                              missing=dict(last.missing) if last is not None else {})
 
     def block_map(self, name: str) -> tuple[BlockMap, EngineInfo] | None:
-        """The backend's latest block map, no older than one interval; None where it shows none."""
+        """The backend's latest block map (each endpoint fetches its own at most once per
+        interval, however many ask); None where it shows none."""
         watched = self._watched.get(name)
         if watched is None or not self.is_up(name):
             return None
-        now = time.monotonic()
-        if now - watched.map_at >= self.interval_s:
-            try:
-                watched.map = watched.endpoint.block_map()
-            except Exception:
-                log.exception("reading %s's block map failed", name)
-                watched.map = None
-            watched.map_at = now
-        return watched.map
+        try:
+            return watched.endpoint.block_map()
+        except Exception as error:  # the endpoint gives every caller of that interval the same error
+            log.warning("reading %s's block map failed: %s", name, error)
+            return None

@@ -18,6 +18,7 @@ import httpx
 from engine import (BlockMap, Delta, EngineBusyError, EngineInfo, SamplingParams, Usage,
                     block_map_from_kv_cache_json)
 from ui.backends.backend import BackendError, Probe
+from ui.backends.block_map_cache import BlockMapCache
 from ui.backends.metrics_reader import MetricsReadError, read_metrics
 
 CONNECT_TIMEOUT_S = 3.0
@@ -32,9 +33,10 @@ _SALT_KEY = secrets.token_bytes(32)
 
 class RemoteEndpoint:
     def __init__(self, url: str, api_key: str | None = None,
-                 on_unreachable: Callable[[str, str], None] | None = None) -> None:
+                 on_unreachable: Callable[[str, str], None] | None = None, map_interval_s: float = 1.0) -> None:
         """`url`: the server's base URL, with or without the trailing /v1. `on_unreachable(name,
-        why)` is told at once when a request finds the server gone (the monitor takes it out)."""
+        why)` is told at once when a request finds the server gone (the monitor takes it out).
+        `map_interval_s`: how often its block map is fetched at most, however many ask."""
         parts = urlsplit(url.strip())
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError(f"a backend URL must look like http://host:port, got {url!r}")
@@ -46,6 +48,7 @@ class RemoteEndpoint:
         self.model: str | None = None          # the first model /v1/models lists
         self.max_model_len: int | None = None
         self.has_kv_cache = True               # until /v1/kv_cache answers 404
+        self.block_map_cache = BlockMapCache(self._fetch_block_map, map_interval_s)
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -107,6 +110,9 @@ class RemoteEndpoint:
 
     def block_map(self) -> tuple[BlockMap, EngineInfo] | None:
         """The server's block map from PagedChat's /v1/kv_cache; None where it has none."""
+        return self.block_map_cache.get()
+
+    def _fetch_block_map(self) -> tuple[BlockMap, EngineInfo] | None:
         if not self.has_kv_cache:
             return None
         try:

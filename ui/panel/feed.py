@@ -3,8 +3,9 @@
 A sampler thread reads the engine client's stats snapshot once per interval into a bounded
 history, so the plots have a past even for a browser that opened the panel a minute ago, and
 ten open panels cost the engine no more than one. Block maps are taken by the engine thread
-between two steps (a walk over every block), so they are fetched only when a panel asks and
-at most once per interval, then shared.
+between two steps (a walk over every block), so they are fetched only when asked for and at
+most once per interval, then shared: `block_map_cache` serves the in-process backend too, so
+the chats' memory strips add no fetches of their own (ui/backends/block_map_cache.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import threading
 import time
 
 from engine import BlockMap, StreamingClient
+from ui.backends.block_map_cache import BlockMapCache
 from ui.panel.history import StatsHistory
 
 
@@ -25,9 +27,7 @@ class PanelFeed:
         self.interval_s = interval_s
         self._history = StatsHistory(capacity, window_s)
         self._history_lock = threading.Lock()
-        self._map_lock = threading.Lock()
-        self._map: BlockMap | None = None
-        self._map_at = float("-inf")
+        self.block_map_cache: BlockMapCache[BlockMap] = BlockMapCache(client.block_map, interval_s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -65,9 +65,4 @@ class PanelFeed:
 
     def block_map(self) -> BlockMap:
         """The latest block map, no older than one interval."""
-        with self._map_lock:
-            now = time.monotonic()
-            if self._map is None or now - self._map_at >= self.interval_s:
-                self._map = self.client.block_map()
-                self._map_at = now
-            return self._map
+        return self.block_map_cache.get()
