@@ -26,6 +26,7 @@ from starlette.background import BackgroundTask
 from engine.api.access import api_caller
 from engine.api.errors import APIError, bad_request
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from engine.frontend.delta_stream import AsyncDeltaStream
 from engine.frontend.request_streams import StreamingClient
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.outputs import Delta, Usage
@@ -100,25 +101,23 @@ class Completions:
 
     async def _answer(self, reply: _Reply, prompts: list, params: SamplingParams, body: SamplingFields,
                       request: Request):
-        request_ids = [f"{reply.id}-{i}" for i in range(len(prompts))]
+        streams: list[AsyncDeltaStream] = []
 
-        def abort_all() -> None:
-            # By id, not by closing the streams: closing an async generator that never started runs
-            # nothing. Aborting a request that has finished (or never began) does nothing.
-            for request_id in request_ids:
-                self.client.abort(request_id)
+        def close_all() -> None:  # a stream closed aborts its request if it still runs
+            for stream in streams:
+                stream.close()
 
         try:
             shared = min(getattr(body, "num_shared_messages", 0), len(prompts[0]) if reply.chat else 0)
             salt = callers_salt(api_caller(request), body.cache_salt)
-            streams = [await self.client.asubmit(prompt, params, request_id=request_id, cache_salt=salt,
-                                                 num_shared_messages=shared)
-                       for request_id, prompt in zip(request_ids, prompts)]
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.client.asubmit(prompt, params, request_id=f"{reply.id}-{i}",
+                                                         cache_salt=salt, num_shared_messages=shared))
         except ValueError as error:  # a prompt the engine refuses: empty, or longer than it can hold
-            abort_all()  # the prompts before it were taken
+            close_all()  # the prompts before it were taken
             raise bad_request(str(error), "messages" if reply.chat else "prompt") from None
         except BaseException:
-            abort_all()
+            close_all()
             raise
         deltas = _merged(streams, params.n)
         if body.stream:
@@ -126,7 +125,7 @@ class Completions:
             # cleanup never runs; the background task runs however the response ended.
             return StreamingResponse(reply.events(deltas, body.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(abort_all))
+                                     background=BackgroundTask(close_all))
         collect = asyncio.ensure_future(reply.collect(deltas))
         try:
             while not collect.done():
@@ -138,7 +137,7 @@ class Completions:
             return collect.result()
         finally:
             collect.cancel()
-            abort_all()
+            close_all()
 
 
 class _Reply:
@@ -289,7 +288,7 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-async def _merged(streams: list[AsyncIterator[Delta]], n: int) -> AsyncIterator[tuple[int, Delta]]:
+async def _merged(streams: list[AsyncDeltaStream], n: int) -> AsyncIterator[tuple[int, Delta]]:
     """(choice index, delta) from every prompt's stream as the deltas come. Closing this closes
     every stream, which aborts the requests still running."""
     if len(streams) == 1:
@@ -301,7 +300,7 @@ async def _merged(streams: list[AsyncIterator[Delta]], n: int) -> AsyncIterator[
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(prompt_index: int, stream: AsyncIterator[Delta]) -> None:
+    async def pump(prompt_index: int, stream: AsyncDeltaStream) -> None:
         try:
             async for delta in stream:
                 await queue.put((prompt_index * n + delta.index, delta))

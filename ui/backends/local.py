@@ -3,7 +3,6 @@ in the same terms as a remote server's /metrics."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
 
 from engine import BlockMap, Delta, EngineDeadError, EngineInfo, SamplingParams, StreamingClient
 from ui.backends.backend import BackendError, Deltas, Probe
@@ -11,22 +10,6 @@ from ui.backends.block_map_cache import BlockMapCache
 from ui.backends.figures import MetricsSnapshot
 
 LOCAL_NAME = "in-process"
-
-
-class _LocalStream:
-    """The engine client's deltas, closed by aborting the request by id: closing a generator that
-    never started runs nothing, so closing it alone would leave the request running."""
-
-    def __init__(self, deltas: AsyncIterator[Delta], abort: Callable[[], None]) -> None:
-        self._deltas = deltas
-        self._abort = abort
-
-    def __aiter__(self) -> AsyncIterator[Delta]:
-        return self._deltas
-
-    async def aclose(self) -> None:
-        await self._deltas.aclose()
-        self._abort()  # a request that has finished is no longer known: nothing happens
 
 
 class LocalEndpoint:
@@ -47,12 +30,11 @@ class LocalEndpoint:
 
     async def start(self, messages: list[dict], params: SamplingParams, *, request_id: str,
                     user: str | None, num_shared_messages: int) -> Deltas:
-        try:
-            deltas = await self.client.asubmit(messages, params, request_id=request_id, cache_salt=user,
-                                               num_shared_messages=num_shared_messages)
+        try:  # the client's stream aborts the request when closed, even unread
+            return await self.client.asubmit(messages, params, request_id=request_id, cache_salt=user,
+                                             num_shared_messages=num_shared_messages)
         except EngineDeadError as error:  # stopped, or its core restarting: as a server that is down
             raise BackendError(str(error)) from None
-        return _LocalStream(deltas, lambda: self.client.abort(request_id))
 
     def probe(self) -> Probe:
         info = self.client.info()
