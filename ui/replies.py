@@ -113,7 +113,9 @@ class Replies:
                 yield ChatView(shown + [render.error_message(f"{error}. Nothing was sent; try again in a moment.")],
                                conversation_id, refused=True)
                 return
-            try:  # the request is aborted however this generator ends, even before streaming
+            # Closed however this generator ends, even before streaming: a remote reply's connection and
+            # the router's count of it end only then (the engine's client aborts a dropped one by itself).
+            try:
                 if before is not None:
                     created = conversation_id is None
                     try:
