@@ -22,6 +22,7 @@ _LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineClient": 
          "CoreProcessClient": "engine.core_client", "StreamingClient": "engine.frontend.request_streams",
          "EngineBusyError": "engine.frontend.request_streams", "EngineDeadError": "engine.frontend.request_streams",
          "add_openai_api": "engine.api", "is_loopback": "engine.api.access",
+         "made_here": "engine.api.access", "client_address": "engine.api.access",
          "block_map_from_kv_cache_json": "engine.api.kv_cache"}
 
 
@@ -35,4 +36,4 @@ def __getattr__(name: str):
 __all__ = ["BlockInfo", "BlockMap", "BlockState", "CompletionOutput", "CoreProcessClient", "Delta", "EngineBusyError", "EngineClient", "EngineDeadError", "EngineInfo",
            "FinishReason", "FirstToken", "LLM", "LLMEngine", "PromptTooLongError", "Request", "RequestOutput",
            "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerStats", "StreamingClient", "Usage", "add_openai_api",
-           "block_map_from_kv_cache_json", "decode_rate", "is_loopback"]
+           "block_map_from_kv_cache_json", "client_address", "decode_rate", "is_loopback", "made_here"]

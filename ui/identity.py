@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import gradio as gr
 
-from engine.api.access import client_address, made_here
+from engine import client_address, made_here
 from ui.turns import Origin
 from ui.space import on_space
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Mapping
 
-from engine.api.access import is_loopback, made_here
+from engine import is_loopback, made_here
 
 TOKEN_ENV = "PAGEDCHAT_ADMIN_TOKEN"
 SPACE_ENV = "SPACE_ID"  # set on a Space, whose visitors all come through its proxy, whatever the bind
