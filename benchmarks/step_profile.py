@@ -51,7 +51,8 @@ def main() -> None:
 
     import kernels
     from engine import LLM, SamplingParams
-    from engine.worker.models import linear, llama, rms_norm
+    from engine.worker.models import llama
+    from engine.worker.models.layers import linear, rms_norm
     from ui.panel.load_generator import LOAD_SYSTEM_PROMPT, QUESTIONS
 
     # The eager forward is what is profiled: a lone chat's steps must not bypass it (compiled_decode.py).
@@ -65,8 +66,8 @@ def main() -> None:
     engine.runner._sample = timed(totals, "sampling", engine.runner._sample)
     kernels.paged_attention = timed(totals, "attention", kernels.paged_attention)
     kernels.store_kv = timed(totals, "store K/V", kernels.store_kv)
-    rms_norm.RMSNorm.__call__ = timed(totals, "RMSNorm", rms_norm.RMSNorm.__call__)
-    llama._rotate_ = timed(totals, "rotary", llama._rotate_)
+    rms_norm.RMSNorm.forward = timed(totals, "RMSNorm", rms_norm.RMSNorm.forward)
+    llama.rotate = timed(totals, "rotary", llama.rotate)
     linear.Linear.__call__ = timed(totals, "weight matmuls", linear.Linear.__call__)
 
     chats = [[{"role": "system", "content": LOAD_SYSTEM_PROMPT[:1200]},

@@ -81,7 +81,7 @@ def test_padding_rows_write_nothing_and_limits_are_checked(tiny_model_dir):
     before = cache.clone()
     # Three sequences in a bucket of 4: one new token each, at slots 5, 21 and 40.
     logits = graphs.run([11, 12, 13], [5, 5, 8], [5, 21, 40], [6, 6, 9], [[0], [1], [2]])
-    assert logits.shape == (3, llm.engine.model.vocab_size) and torch.isfinite(logits).all()
+    assert logits.shape == (3, llm.engine.model.shape.vocab_size) and torch.isfinite(logits).all()
     changed = (cache != before).flatten(1).any(1).nonzero().flatten().tolist()  # per block
     assert changed == [0, 1, 2]
     written = (cache != before).any(-1).any(3).any(2).any(1)  # [block, slot]: the cache is [b, layer, 2, head, slot, d]

@@ -1,15 +1,15 @@
-"""The decoder's weight matmul (engine/worker/models/linear.py) equals F.linear on every path it
-takes on a CPU: the plain weight for one or two fp32 rows, oneDNN's prepacked copy for more (and
-for every bf16 batch), with and without a bias, and an empty batch (a step that only fills the
-cache); and the few-row layout is settled by timing both on the weights."""
+"""The decoder's weight matmul (engine/worker/models/layers/linear.py) equals F.linear on every
+path it takes on a CPU: the plain weight for one or two fp32 rows, oneDNN's prepacked copy for
+more (and for every bf16 batch), with and without a bias, and an empty batch (a step that only
+fills the cache); and the few-row layout is settled by timing both on the weights."""
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.worker.models import linear as linear_module
-from engine.worker.models.linear import PLAIN_FP32_ROWS, Linear, settle_few_row_path
+from engine.worker.models.layers import linear as linear_module
+from engine.worker.models.layers.linear import PLAIN_FP32_ROWS, Linear, settle_few_row_path
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])

@@ -66,10 +66,13 @@ DTYPES = (torch.float32, torch.bfloat16)
 KINDS = ("lone", "batch")  # one sequence's step (`DecodeStep`), a batch's (`BatchDecodeStep`)
 BATCH_BLOCK_SIZE = 16  # the batch graph reads caches of this block size (the engine's default)
 MAX_BATCH = 256       # larger decode batches run eagerly
+# What a package's graph is traced from: a change to any of these files rebuilds the packages.
+_LAYERS = tuple(f"engine/worker/models/layers/{name}.py"
+                for name in ("activation", "attention", "rms_norm", "rotary", "shape"))
 _SOURCES = {"lone": ("engine/worker/compiled_decode.py", "engine/worker/models/decode_step.py",
-                     "engine/worker/models/llama.py"),
+                     "engine/worker/models/weights.py", "engine/worker/models/layers/matvec.py", *_LAYERS),
             "batch": ("engine/worker/compiled_decode.py", "engine/worker/models/batch_decode_step.py",
-                      "engine/worker/models/decode_step.py", "engine/worker/models/llama.py")}
+                      "engine/worker/models/decode_step.py", "engine/worker/models/weights.py", *_LAYERS)}
 _PREFIX = {"lone": "decode", "batch": "batch-decode"}
 
 
@@ -141,7 +144,7 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
     del hf_model
     # Frozen weights are constants the compiler folds into the graph: a batch's matmuls take
     # them packed for oneDNN; a lone row's are loops over blocks laid out for them (`MatVec` in
-    # engine/worker/models/decode_step.py). Reassociation and fused multiply-adds let the C++
+    # engine/worker/models/layers/matvec.py). Reassociation and fused multiply-adds let the C++
     # compiler split a loop's running sum over several registers (infinities and NaNs keep
     # their meaning). In the lone step, an input read by two loops (the q and k/v projections'
     # normalized input, the rotated query) is computed once into a buffer, not in each of them
@@ -173,7 +176,7 @@ def _export_lone(hf_model, dtype: torch.dtype):
     from engine.worker.models.decode_step import DecodeStep
 
     step = DecodeStep(hf_model, dtype).eval()
-    layers, kv_heads, dim = len(step.layers), step.num_kv_heads, step.head_dim
+    layers, kv_heads, dim = len(step.layers), step.shape.num_kv_heads, step.shape.head_dim
     example = (torch.zeros(1, dtype=torch.int64), torch.ones(1, dim, dtype=dtype), torch.zeros(1, dim, dtype=dtype),
                torch.zeros(layers, 2, kv_heads, 2 * CAPACITY_STEP, dim, dtype=dtype), torch.tensor(1))
     capacity = Dim("capacity", min=2, max=MAX_CONTEXT + CAPACITY_STEP)
@@ -187,7 +190,7 @@ def _export_batch(hf_model, dtype: torch.dtype):
     from engine.worker.models.batch_decode_step import BatchDecodeStep
 
     step = BatchDecodeStep(hf_model, dtype).eval()
-    layers, kv_heads, dim, bs = len(step.layers), step.num_kv_heads, step.head_dim, BATCH_BLOCK_SIZE
+    layers, kv_heads, dim, bs = len(step.layers), step.shape.num_kv_heads, step.shape.head_dim, BATCH_BLOCK_SIZE
     rows, shared, own = 4, 3, 5  # any sizes: all three are dynamic
     example = (torch.zeros(rows, dtype=torch.int64), torch.ones(rows, dim, dtype=dtype),
                torch.zeros(rows, dim, dtype=dtype), torch.zeros(64, layers, 2, kv_heads, bs, dim, dtype=dtype),
@@ -425,7 +428,7 @@ class CompiledDecode:
             grown = self._buffer.new_zeros((*self._buffer.shape[:3], self._capacity(length), self._buffer.shape[4]))
             grown[:, :, :, :past].copy_(self._buffer[:, :, :, :past])
             self._buffer = grown
-        cos_sin = self.decoder.rope_table[position]
+        cos_sin = self.decoder.rotary.table[position]
         logits, new_kv, best = self._run(torch.tensor([token]), cos_sin[0:1], cos_sin[1:2], self._buffer,
                                          torch.tensor(past))
         self._buffer[:, :, :, past].copy_(new_kv)
@@ -451,7 +454,7 @@ class CompiledDecode:
         own = torch.tensor([(table[common:common + width] + [0] * width)[:width] for table in tables])
         keys = common * block_size + torch.arange(width * block_size)
         own_bias = torch.where(keys[None, :] < torch.tensor(past)[:, None], 0.0, float("-inf"))
-        cos_sin = self.decoder.rope_table[torch.tensor(past)]
+        cos_sin = self.decoder.rotary.table[torch.tensor(past)]
         logits, new_kv, best = self._batch_run(torch.tensor(tokens), cos_sin[:, 0].contiguous(),
                                                cos_sin[:, 1].contiguous(), kv_cache, shared, shared_bias, own,
                                                own_bias)

@@ -62,8 +62,8 @@ class DecodeGraphs:
         return bool(self._graphs)
 
     def _bucket_meta(self, b: int) -> AttentionMetadata:
-        model = self.model
-        plan = kernels.plan_attention([1] * b, [1] * b, model.num_heads, model.num_kv_heads, model.head_dim,
+        shape = self.model.shape
+        plan = kernels.plan_attention([1] * b, [1] * b, shape.num_heads, shape.num_kv_heads, shape.head_dim,
                                       self.kv_cache, num_splits=1)
         return AttentionMetadata(self.slot_mapping[:b], self.cu_seqlens_q[:b + 1], self.seqused_k[:b],
                                  self.block_table[:b], plan)

@@ -33,7 +33,7 @@ class ModelRunner:
         # exceeds the pool): the rotary table is sized once and never moves (a CUDA graph holds
         # its address).
         max_model_len = max_model_len or num_device_blocks * block_size
-        model.ensure_rope(max_model_len)
+        model.rotary.ensure(max_model_len)
         self.graphs = None
         if decode_graph_batch > 0:
             self.graphs = DecodeGraphs(model, self.kv_cache, decode_graph_batch, -(-max_model_len // block_size))
@@ -130,7 +130,7 @@ class ModelRunner:
 
     def _forward_eager(self, input_ids: list[int], positions: list[int], slots: list[int], cu_q: list[int],
                        k_lens: list[int], table_rows: list[list[int]], sample_rows: list[int]) -> torch.Tensor:
-        device = self.device
+        device, shape = self.device, self.model.shape
         width = max(len(t) for t in table_rows)
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in table_rows], dtype=torch.int32)
         block_table = block_table.to(device, non_blocking=True)
@@ -142,8 +142,8 @@ class ModelRunner:
             seqused_k=torch.tensor(k_lens, dtype=torch.int32).to(device, non_blocking=True),
             block_table=block_table,
             plan=kernels.plan_attention(q_lens=[b - a for a, b in zip(cu_q, cu_q[1:])], k_lens=k_lens,
-                                        num_heads=self.model.num_heads, kv_heads=self.model.num_kv_heads,
-                                        head_dim=self.model.head_dim, cache=self.kv_cache, block_table=block_table,
+                                        num_heads=shape.num_heads, kv_heads=shape.num_kv_heads,
+                                        head_dim=shape.head_dim, cache=self.kv_cache, block_table=block_table,
                                         block_size=self.block_size, previous=self._last_plan))
         self._last_plan = meta.plan
         # Empty when every request is mid-prompt: the step only fills the cache.

@@ -1,0 +1,12 @@
+"""The decoder's maths, each idea written once, from which every path assembles the model: the
+eager forward (models/llama.py) and the compiled decode steps (models/decode_step.py,
+models/batch_decode_step.py), which differ from it only in how they read K/V and lay out weights.
+
+shape.py      the sizes and constants, read once from the transformers config
+rms_norm.py   RMSNorm
+rotary.py     the rotary table and the rotation
+activation.py the MLP's SiLU-gated product
+attention.py  softmax over keys in parts (the compiled steps; eager's is kernels.paged_attention)
+linear.py     eager's weight matmuls (oneDNN-packed where that is faster)
+matvec.py     the lone compiled step's weight matmuls (loops over cache-line blocks)
+"""
