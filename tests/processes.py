@@ -3,9 +3,10 @@ command line names something, and waiting on a condition with a deadline. A zomb
 yet reaped by whoever adopted it) counts as gone."""
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
+
+from waiting import poll
 
 
 def _processes() -> list[tuple[int, int, str]]:
@@ -40,11 +41,6 @@ def processes_naming(*words: str) -> list[int]:
 
 
 def wait_until(condition: Callable[[], object], timeout: float = 60.0, interval: float = 0.2) -> bool:
-    """Poll `condition` until it is true (True) or `timeout` seconds pass (False)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if condition():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
+    """Poll `condition` until it is true (True) or `timeout` seconds pass (False); tests/waiting.py's
+    `poll`, for callers that assert on the answer themselves."""
+    return bool(poll(condition, timeout, interval))

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from waiting import wait_for
 
 from engine import BlockInfo, BlockMap, BlockState, EngineInfo, FirstToken
 from test_panel_data import stats
@@ -198,7 +199,7 @@ class FakeClient:
 
 def test_feed_samples_now_and_shares_block_maps_per_interval():
     client = FakeClient()
-    feed = PanelFeed(client, interval_s=0.2)
+    feed = PanelFeed(client, interval_s=600)  # every call below falls in its first interval
     before = time.time()
     feed.sample()
     feed.sample()
@@ -209,22 +210,27 @@ def test_feed_samples_now_and_shares_block_maps_per_interval():
     assert len(feed.history()) == 2  # a copy
     maps = [feed.block_map() for _ in range(5)]
     assert client.block_maps == 1 and all(m is maps[0] for m in maps)
-    time.sleep(0.25)
-    feed.block_map()
-    assert client.block_maps == 2
+    # Once an interval has passed, the next caller fetches a new map.
+    short = PanelFeed(client, interval_s=0.05)
+    short.block_map()
+    wait_for(lambda: short.block_map() is not None and client.block_maps >= 3, "a fetch in the next interval")
 
 
 def test_feed_thread_samples_until_closed_or_the_client_closes():
     client = FakeClient()
     feed = PanelFeed(client, interval_s=0.05).start()
-    time.sleep(0.4)
-    assert len(feed.history()) >= 4
+    wait_for(lambda: len(feed.history()) >= 4, lambda: f"4 samples; {len(feed.history())} taken")
     client.closed = True
-    time.sleep(0.2)
-    n = len(feed.history())
-    time.sleep(0.2)
-    assert len(feed.history()) == n
+
+    def unchanged_over_a_few_intervals() -> bool:
+        # A sample under way when the client closed may still land; after it, none does. The
+        # window only catches a feed that goes on (a starved thread could hide one, never fail it).
+        latest = feed.history().latest.timestamp  # each sample is stamped anew
+        time.sleep(5 * feed.interval_s)
+        return feed.history().latest.timestamp == latest
+    wait_for(unchanged_over_a_few_intervals, "sampling to stop once the client closed")
     feed.close()
-    assert not any(t.name == "panel-feed" and t.is_alive() for t in threading.enumerate())
+    wait_for(lambda: not any(t.name == "panel-feed" and t.is_alive() for t in threading.enumerate()),
+             "the feed thread to end")
     with pytest.raises(ValueError, match="interval_s"):
         PanelFeed(client, interval_s=0)
