@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from served_app import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -43,6 +44,9 @@ class EngineServer:
             time.sleep(0.1)
         raise RuntimeError(f"engine.serve on {self.port} did not answer /health within {timeout} s")
 
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def kill(self) -> None:
         """SIGKILL: no goodbye to its clients, as when a machine dies."""
         if self.process is not None and self.process.poll() is None:
@@ -60,3 +64,12 @@ class EngineServer:
     def running_requests(self) -> int:
         stats = httpx.get(f"{self.url}/v1/kv_cache", timeout=5).json()
         return stats["running"] + stats["waiting"] + stats["swapped"]
+
+    def finished(self, reason: str) -> float:
+        """How many requests this server has ended with `reason` ("stop", "length", "abort", "error"),
+        from its /metrics' vllm:request_success_total."""
+        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=5).text):
+            for sample in family.samples:
+                if sample.name == "vllm:request_success_total" and sample.labels.get("finished_reason") == reason:
+                    return sample.value
+        return 0.0

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import uuid
 
 import pytest
 from gradio_client import Client
 from served_app import serve
+from waiting import DEADLINE_S, wait_for
 
 from engine import SamplingParams
 from storage import Store
@@ -53,7 +53,7 @@ def at_once(url: str, users: list[str], text: str, max_tokens: int) -> dict[str,
     sessions = [Client(url, verbose=False) for _ in users]
     jobs = [session.submit(user, None, text, "None", "", *GREEDY, max_tokens, api_name="/send")
             for user, session in zip(users, sessions)]
-    return {user: tuple(job.result(timeout=120)[:2]) for user, job in zip(users, jobs)}
+    return {user: tuple(job.result(timeout=DEADLINE_S)[:2]) for user, job in zip(users, jobs)}
 
 
 def shown_text(chat: list[dict]) -> str:
@@ -63,14 +63,6 @@ def shown_text(chat: list[dict]) -> str:
 
 def replies(store: Store, user: str, conversation_id: int) -> list[dict]:
     return [m for m in store.messages(user, conversation_id) if m["role"] == "assistant"]
-
-
-def wait_until(test, timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not test():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or test}")
-        time.sleep(0.05)
 
 
 def idle(engine_servers) -> bool:
@@ -102,13 +94,13 @@ def test_users_chat_on_both_backends_and_turn_two_stays_where_turn_one_was(app, 
         assert second["backend"] == first["backend"]
         assert second["cached_tokens"] > 0 and second["prompt_tokens"] > second["cached_tokens"]
         assert f"by {first['backend']}" in shown_text(chat_view)  # the page says who wrote the reply
-    wait_until(lambda: idle(engine_servers), what="both backends idle")
+    wait_for(lambda: idle(engine_servers), "both backends idle")
 
 
 @pytest.mark.anyio
 async def test_a_known_system_prompt_goes_to_the_backend_that_cached_it(app, engine_servers, store):
     router, url = app
-    await asyncio.to_thread(wait_until, lambda: router_idle(router), what="the router to see both backends idle")
+    await asyncio.to_thread(wait_for, lambda: router_idle(router), "the router to see both backends idle")
     first_choice = router.order()[0]
     # A reply held open on the first choice (the router counts it until it closes), so that a new
     # preset lands on the other backend and is cached there.
@@ -122,7 +114,7 @@ async def test_a_known_system_prompt_goes_to_the_backend_that_cached_it(app, eng
         assert owner != first_choice
     finally:
         await held.aclose()
-    await asyncio.to_thread(wait_until, lambda: router_idle(router), what="the router to see both backends idle")
+    await asyncio.to_thread(wait_for, lambda: router_idle(router), "the router to see both backends idle")
     assert router.order()[0] == first_choice  # idle and even: least loaded alone would pick it
 
     other_user = new_user()
@@ -132,16 +124,28 @@ async def test_a_known_system_prompt_goes_to_the_backend_that_cached_it(app, eng
     assert reply["cached_tokens"] >= 16  # the preset's blocks, computed for the first user
 
 
-def test_a_backend_killed_mid_reply_fails_only_its_replies_and_comes_back(app, engine_servers, store):
+@pytest.fixture
+def victim(engine_servers):
+    """The backend a test kills: running again when the test ends, however it ends, so that one
+    failure never leaves the session's `engine_servers` a backend short for the tests after it."""
+    yield engine_servers[0]
+    if not engine_servers[0].running():
+        engine_servers[0].start()
+
+
+def test_a_backend_killed_mid_reply_fails_only_its_replies_and_comes_back(app, engine_servers, store, victim):
     router, url = app
-    victim, survivor = engine_servers
+    survivor = engine_servers[1]
     users = [new_user() for _ in range(4)]
     results: dict[str, tuple] = {}
-    chats = threading.Thread(target=lambda: results.update(at_once(url, users, "Write me a very long essay.", 2000)))
+    # Long enough that the victim's replies are still being written when it is killed (the wait
+    # below sees them running on both), short enough that the survivor's finish soon on a busy machine.
+    chats = threading.Thread(target=lambda: results.update(at_once(url, users, "Write me a very long essay.", 400)))
     chats.start()
-    wait_until(lambda: victim.running_requests() > 0 and survivor.running_requests() > 0, 30, "replies on both")
+    wait_for(lambda: victim.running_requests() > 0 and survivor.running_requests() > 0, "replies on both")
     victim.kill()
-    chats.join(timeout=120)
+    chats.join(timeout=DEADLINE_S)
+    assert not chats.is_alive(), f"the chats did not end within {DEADLINE_S:g} s"
     assert len(results) == len(users)
 
     failed = [u for u in users if "stopped answering mid-reply" in shown_text(results[u][0])]
@@ -168,9 +172,9 @@ def test_a_backend_killed_mid_reply_fails_only_its_replies_and_comes_back(app, e
     assert [r["backend"] for r in replies(store, user, conversation_id)] == [survivor.name]
 
     victim.start()  # back on its port: the monitor puts it back and routing uses it again
-    wait_until(lambda: router.monitor.is_up(victim.name), 30, "the restarted backend to be seen")
-    wait_until(lambda: idle(engine_servers), what="both backends idle")
-    wait_until(lambda: router_idle(router), what="the router to see both backends idle")
+    wait_for(lambda: router.monitor.is_up(victim.name), "the restarted backend to be seen")
+    wait_for(lambda: idle(engine_servers), "both backends idle")
+    wait_for(lambda: router_idle(router), "the router to see both backends idle")
     # Four new chats at once: the least loaded rule spreads them over both (alone, each would go
     # to whichever name sorts first).
     welcomed = at_once(url, [new_user() for _ in range(4)], "Welcome back", max_tokens=8)
@@ -181,6 +185,7 @@ def test_a_backend_killed_mid_reply_fails_only_its_replies_and_comes_back(app, e
 @pytest.mark.anyio
 async def test_closing_a_remote_reply_aborts_it_at_its_server(app, engine_servers):
     router, _ = app
+    aborted_before = {s.name: s.finished("abort") for s in engine_servers}
     reply = await start_reply(router, [{"role": "user", "content": "A long story."}],
                               SamplingParams(temperature=0.0, max_tokens=2000), user=new_user())
     async for shown in reply:
@@ -188,7 +193,10 @@ async def test_closing_a_remote_reply_aborts_it_at_its_server(app, engine_server
             break
     assert reply.backend in {s.name for s in engine_servers}
     await reply.aclose()  # what Stop does
-    await asyncio.to_thread(wait_until, lambda: idle(engine_servers), 1.0, "the server to abort the request")
+    await asyncio.to_thread(wait_for, lambda: idle(engine_servers), "the server to end the request")
+    # Ended by the abort, not by writing its 2000 tokens out (which it might within the deadline).
+    assert {s.name: s.finished("abort") - aborted_before[s.name] for s in engine_servers} == {
+        s.name: float(s.name == reply.backend) for s in engine_servers}
     assert all(status.in_flight == 0 for status in router.statuses())
 
 
