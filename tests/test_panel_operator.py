@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import uuid
 
 import pytest
+from waiting import wait_for
 
 from ui.panel.operator import OWNER_ENV, TOKEN_ENV, is_loopback, may_operate
 
@@ -101,7 +101,7 @@ def test_a_visitor_cannot_start_or_stop_the_load_generator(public_app, monkeypat
     monkeypatch.setenv(TOKEN_ENV, TOKEN)  # a token set, but a wrong one given
     with pytest.raises(AppError, match="The load generator is for the operator"):
         session.predict(4, "Helpful assistant", 16, "not the token", api_name="/start_load")
-    time.sleep(0.2)
+    # start() sets the status before it returns: a start that got through would show already.
     assert not load.status().running and load.status().users == 0
     assert client.stats().num_running + client.stats().num_waiting == 0
     session.close()
@@ -141,6 +141,9 @@ def panel_tick(url: str, session: str, token: str) -> str | dict:
     pytest.fail("the tick never finished")
 
 
+IN_USE = r'class="kv-cell kv-(used|shared)[" ]'  # a block map cell in use, as the panel writes it
+
+
 def short_hashes(client) -> set[str]:
     """The hashes of the engine's blocks as the operator's block map writes them."""
     snapshot = client.block_map()
@@ -154,14 +157,12 @@ def test_a_visitor_sees_no_owners_or_hashes_in_the_block_map(public_app, monkeyp
     load_ids = re.compile(r"load\d+-u\d+")  # the load generator's request ids (its conversations)
     load.start(4, max_tokens=32)
     try:  # while blocks are in use: the operator sees whose they are, a visitor does not
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def both_views() -> tuple[str, str] | None:
             visitor, operator = panel_tick(url, uuid.uuid4().hex, ""), panel_tick(url, uuid.uuid4().hex, TOKEN)
-            if re.search(r'class="kv-cell kv-(used|shared)"', visitor) and "owners load" in operator:
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("under load, no block map in use for a visitor with owners for the operator")
+            in_use = re.search(IN_USE, visitor) and "owners load" in operator
+            return (visitor, operator) if in_use else None
+        visitor, operator = wait_for(both_views, "under load, a block map in use for a visitor with owners for "
+                                                 "the operator", interval=0.2)
     finally:
         load.stop()
     assert "hash " in operator and load_ids.search(operator)
@@ -171,10 +172,11 @@ def test_a_visitor_sees_no_owners_or_hashes_in_the_block_map(public_app, monkeyp
 
     # Idle, the blocks keep their hashes. One page: a visitor's map, then nothing new while it
     # stays the same, then the operator's map as soon as the admin token is given.
-    deadline = time.monotonic() + 30
-    while client.stats().device_blocks_used and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(1.1)  # the panel's shared snapshot is at most one feed interval old
+    wait_for(lambda: not client.stats().device_blocks_used, "the engine's blocks freed")
+    # The panel's shared snapshot catches up within a feed interval: until a page of its own shows
+    # no block in use, it may still be the one taken under load.
+    wait_for(lambda: not re.search(IN_USE, panel_tick(url, uuid.uuid4().hex, "")),
+             "the panel's block map to show the idle engine", interval=0.2)
     page, hashes = uuid.uuid4().hex, short_hashes(client)
     visitor = panel_tick(url, page, "")
     assert isinstance(visitor, str) and hashes
