@@ -1,9 +1,10 @@
 """The compiled decode steps (engine/worker/compiled_decode.py): built in the background while the
 eager path serves, then the same greedy tokens as the eager path: a lone chat's through buffer
 growth, batch-to-lone hand-overs and moved blocks, a batch's with and without a shared prefix;
-the real model against transformers. Only a package this user's own build wrote, in a folder
-nobody else can write to, is ever loaded; a build runs in a process group of its own that ends
-with it, on a timeout or with the engine's process."""
+the real model's weights and shapes (a slice of its layers) against transformers. Only a
+package this user's own build wrote, in a folder nobody else can write to, is ever loaded; a
+build runs in a process group of its own that ends with it, on a timeout or with the engine's
+process."""
 from __future__ import annotations
 
 import hashlib
@@ -40,11 +41,38 @@ def packages(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny_compiled(packages, tiny_model_dir):
-    """An fp32 engine on the tiny model whose compiled step was built by the engine itself, in
-    the background, and what it served eagerly meanwhile."""
-    assert not package_path(tiny_model_dir, torch.float32).exists()
-    llm = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=64, num_cpu_blocks=8, compile_decode=True)
+def smol_slice(smol_hf, tmp_path_factory):
+    """The default model's first two layers with its own weights, embedding, final norm and
+    tokenizer, saved as a model folder, and the same slice as a transformers model: the real
+    model's shapes (9 query heads over 3 K/V heads, head_dim 64, hidden 576, a 49,152-token
+    tied head) and weights, in packages built in a fraction of the whole model's time (the
+    graph is unrolled layer by layer: ~100 s for both here against ~430 s for 30 layers)."""
+    import copy
+
+    from engine.worker.model_loader import load_tokenizer
+
+    hf = copy.deepcopy(smol_hf)
+    hf.model.layers = hf.model.layers[:2]
+    hf.config.num_hidden_layers = 2
+    if hasattr(hf.config, "layer_types"):
+        hf.config.layer_types = hf.config.layer_types[:2]
+    folder = tmp_path_factory.mktemp("smol-slice")
+    hf.save_pretrained(folder)
+    load_tokenizer(None).save_pretrained(folder)
+    return str(folder), hf.eval()
+
+
+@pytest.fixture(scope="module")
+def slice_dir(smol_slice) -> str:
+    return smol_slice[0]
+
+
+@pytest.fixture(scope="module")
+def slice_compiled(packages, slice_dir):
+    """An fp32 engine on the default model's two-layer slice whose compiled steps were built by
+    the engine itself, in the background, and what it served eagerly meanwhile."""
+    assert not package_path(slice_dir, torch.float32).exists()
+    llm = LLM(slice_dir, dtype="float32", num_gpu_blocks=64, num_cpu_blocks=8, compile_decode=True)
     compiled = llm.engine.compiled
     served = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, **GREEDY))[0].outputs[0].token_ids
     not_ready_while_serving = not compiled.ready
@@ -64,23 +92,23 @@ def count_calls(monkeypatch, compiled: CompiledDecode, method: str = "decode") -
     return calls
 
 
-def test_the_engine_serves_eagerly_while_the_step_builds(tiny_compiled, tiny_model_dir):
-    llm, served, not_ready_while_serving = tiny_compiled
+def test_the_engine_serves_eagerly_while_the_step_builds(slice_compiled, slice_dir):
+    llm, served, not_ready_while_serving = slice_compiled
     assert not_ready_while_serving and len(served) == 4
     for kind in compiled_decode.KINDS:  # each with the digest its build recorded
-        assert package_trust.digest_problem(package_path(tiny_model_dir, torch.float32, kind)) is None
-    eager = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=64, compile_decode=False)
+        assert package_trust.digest_problem(package_path(slice_dir, torch.float32, kind)) is None
+    eager = LLM(slice_dir, dtype="float32", num_gpu_blocks=64, compile_decode=False)
     assert eager.engine.compiled is None
     assert eager.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, **GREEDY))[0].outputs[0].token_ids == served
 
 
-def test_lone_chats_decode_the_eager_tokens(tiny_compiled, tiny_model_dir, tokenizer, monkeypatch):
+def test_lone_chats_decode_the_eager_tokens(slice_compiled, slice_dir, tokenizer, monkeypatch):
     """Greedy fp32: the same tokens as the eager engine, for a chat long enough that its K/V
     buffer grows twice, and for a batch whose longer chat goes on alone (its buffer gathered
     from the paged cache when the other one ends)."""
-    llm = tiny_compiled[0]
+    llm = slice_compiled[0]
     calls = count_calls(monkeypatch, llm.engine.compiled)
-    eager = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=64, compile_decode=False)
+    eager = LLM(slice_dir, dtype="float32", num_gpu_blocks=64, compile_decode=False)
     prompt = tokenizer("In a hole in the ground there lived a hobbit.", add_special_tokens=False).input_ids
     long = SamplingParams(max_tokens=2 * CAPACITY_STEP + 10, **GREEDY)
     ours = llm.generate([prompt], long)[0].outputs[0].token_ids
@@ -96,13 +124,13 @@ def test_lone_chats_decode_the_eager_tokens(tiny_compiled, tiny_model_dir, token
     assert llm.engine.compiled._buffer is None  # and nothing is held once idle
 
 
-def test_decode_batches_decode_the_eager_tokens(tiny_compiled, tiny_model_dir, tokenizer, monkeypatch):
+def test_decode_batches_decode_the_eager_tokens(slice_compiled, slice_dir, tokenizer, monkeypatch):
     """Greedy fp32: batches of decodes through the compiled batch step give the eager engine's
     tokens, for chats that share a system prompt of whole blocks (read once for all of them),
     chats that share nothing, and chats of different lengths that drop out one by one."""
-    llm = tiny_compiled[0]
+    llm = slice_compiled[0]
     batch_calls = count_calls(monkeypatch, llm.engine.compiled, "decode_batch")
-    eager = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=64, compile_decode=False)
+    eager = LLM(slice_dir, dtype="float32", num_gpu_blocks=64, compile_decode=False)
     system = tokenizer("You are a helpful assistant who answers in one short sentence. " * 4,
                        add_special_tokens=False).input_ids
     assert len(system) >= 2 * 16  # two whole blocks every chat shares
@@ -116,13 +144,13 @@ def test_decode_batches_decode_the_eager_tokens(tiny_compiled, tiny_model_dir, t
     assert len(batch_calls) >= 2 * 20 and {len(tokens) for tokens in batch_calls} >= {2, 3, 4}
 
 
-def test_a_sequence_whose_blocks_moved_is_gathered_afresh(tiny_compiled):
+def test_a_sequence_whose_blocks_moved_is_gathered_afresh(slice_compiled):
     """The step keeps one sequence's K/V between calls only while the sequence goes on in the
     same blocks: the same context in other blocks (a swap, a copy) is read from them again, and
     gives the same logits as a fresh start."""
     from engine.core.scheduler_output import SchedulerOutput
 
-    llm = tiny_compiled[0]
+    llm = slice_compiled[0]
     runner, compiled = llm.engine.runner, llm.engine.compiled
     cache, bs = runner.kv_cache, runner.block_size
     torch.manual_seed(1)
@@ -166,17 +194,20 @@ def test_packages_are_keyed_by_model_and_dtype(packages, tiny_model_dir, deep_mo
     assert package_path(tiny_model_dir, torch.float32) == package_path(tiny_model_dir, torch.float32)
 
 
-def test_real_model_compiled_greedy_equals_transformers(packages, smol_hf, monkeypatch):
-    """The default model in fp32: lone decode steps through the compiled lone-chat graph, then the
-    same chats together, their steps through the compiled batch graph."""
-    llm = LLM(dtype="float32", num_gpu_blocks=128, num_cpu_blocks=0, compile_decode=True)
+def test_real_weights_compiled_greedy_equals_transformers(slice_compiled, smol_slice, monkeypatch):
+    """The default model's own weights and shapes in fp32 (a two-layer slice of it: the compiled
+    steps are the same code for every depth): lone decode steps through the compiled lone-chat
+    graph, then the same chats together, their steps through the compiled batch graph, each
+    token transformers' greedy token."""
+    folder, hf = smol_slice
+    llm = LLM(folder, dtype="float32", num_gpu_blocks=128, num_cpu_blocks=0, compile_decode=True)
     assert llm.engine.compiled.wait(BUILD_TIMEOUT_S), llm.engine.compiled.error
     calls = count_calls(monkeypatch, llm.engine.compiled)
     batch_calls = count_calls(monkeypatch, llm.engine.compiled, "decode_batch")
     chats = ([{"role": "user", "content": "What is the capital of France?"}],
              [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}])
     prompts = [llm.engine.encode(llm.engine.apply_chat_template(chat)) for chat in chats]
-    expected = [hf_greedy(smol_hf, ids, 24) for ids in prompts]
+    expected = [hf_greedy(hf, ids, 24) for ids in prompts]
     for ids, tokens in zip(prompts, expected):
         assert llm.generate([ids], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0].token_ids == tokens
     assert len(calls) == 2 * 23 and not batch_calls
@@ -224,12 +255,12 @@ def run_forward_ab(model: str, dtype: str, monkeypatch, chats: int = 1) -> dict:
     return figures["sides"]["compiled"]
 
 
-def test_forward_ab_variant_runs_the_compiled_step(tiny_compiled, tiny_model_dir, monkeypatch):
+def test_forward_ab_variant_runs_the_compiled_step(slice_compiled, slice_dir, monkeypatch):
     """benchmarks/variants/compiled_step.py times the compiled step against the eager forward on
     one captured step, a lone chat's and a batch's: their logits match the eager forward's (fp32),
     and the base is left as it was."""
     for chats in (1, 3):
-        compiled = run_forward_ab(tiny_model_dir, "float32", monkeypatch, chats)
+        compiled = run_forward_ab(slice_dir, "float32", monkeypatch, chats)
         assert compiled["same_greedy"] and compiled["max_abs_diff"] < 1e-4
 
 
