@@ -528,7 +528,7 @@ def run_rate(target: Target, rate: float, duration_s: float, max_tokens: int = 6
             "good": len(good), "goodput_req_s": round(len(good) / wall, 3),
             # Why the others were not good (a request may miss both).
             "ttft_missed": sum(r.ttft_s > ttft_slo_s for r in done),
-            "itl_missed": sum(r.gaps_s and pct(r.gaps_s, 0.99) > itl_slo_ms / 1000 for r in done),
+            "itl_missed": sum(bool(r.gaps_s) and pct(r.gaps_s, 0.99) > itl_slo_ms / 1000 for r in done),
             "good_share": round(len(good) / len(results), 3) if results else None,
             "client_cpu_s": round(cpu, 2), "client_cpu_share": round(cpu / wall, 3),
             "cached_share": round(sum(r.cached_tokens for r in with_cache) / prompt, 3) if prompt else None}
