@@ -1,9 +1,9 @@
 """Fault injection into the engine client's loop: a fault fails only what it touches, and no
 caller ever waits on a dead engine."""
 import threading
-import time
 
 import pytest
+from waiting import DEADLINE_S, wait_for
 
 from engine import EngineBusyError, EngineClient, EngineDeadError, LLMEngine, SamplingParams
 from engine.devtools.invariants import check_invariants
@@ -38,7 +38,7 @@ def fail_on_calls(target, name: str, calls: set[int], error: BaseException):
     setattr(target, name, wrapper)
 
 
-def collect(stream, timeout: float = 30.0) -> list:
+def collect(stream, timeout: float = DEADLINE_S) -> list:
     """Read a stream to its end on another thread; fail the test rather than hang."""
     deltas, done = [], threading.Event()
 
@@ -54,15 +54,11 @@ def finals(deltas) -> dict[int, object]:
     return {d.index: d for d in deltas if d.finish_reason is not None}
 
 
-def wait_until_empty(client, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
+def wait_until_empty(client) -> None:
     engine = client.engine
-    while time.monotonic() < deadline:
-        if not engine.has_unfinished() and client.stats().device_blocks_used == 0:
-            check_invariants(engine.scheduler)
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"engine still holds work: {client.stats()}")
+    wait_for(lambda: not engine.has_unfinished() and client.stats().device_blocks_used == 0,
+             lambda: f"the engine empty; it still holds work: {client.stats()}")
+    check_invariants(engine.scheduler)
 
 
 def test_a_forward_that_raises_fails_only_its_step_and_later_requests_succeed(client):
@@ -96,17 +92,15 @@ def test_a_step_bug_outside_the_forward_fails_open_requests_and_the_loop_goes_on
     assert finals(collect(client.submit("Hello again.", PARAMS)))[0].finish_reason == "length"
 
 
-def test_a_killed_loop_ends_every_stream_at_once_and_submit_raises(client):
+def test_a_killed_loop_ends_every_stream_with_its_error_and_submit_raises(client):
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     streams = [client.submit(f"Long reply number {i}.", params) for i in range(3)]
     for stream in streams:
         next(stream)  # all three are streaming
     fail_on_calls(client.engine, "step", {1}, LoopKilled("the loop thread dies"))
-    started = time.monotonic()
-    for stream in streams:
-        ends = finals(collect(stream, timeout=5.0))
+    for stream in streams:  # ended by the fault ("error"), not by writing their 200 tokens out ("length")
+        ends = finals(collect(stream))
         assert ends[0].finish_reason == "error" and "LoopKilled" in ends[0].error
-    assert time.monotonic() - started < 1.5
     assert client.closed
     with pytest.raises(EngineDeadError, match="stopped after a fault"):
         client.submit("Anyone there?", PARAMS)
@@ -138,10 +132,9 @@ def test_a_full_waiting_queue_refuses_at_once_and_takes_work_again_once_it_drain
         running = busy.submit("I run first.", SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
         next(running)
         queued = [busy.submit(f"I wait, number {i}.", params) for i in range(2)]
-        started = time.monotonic()
+        # Refused, not queued until a seat frees: the seat is held until `running` is closed below.
         with pytest.raises(EngineBusyError, match=r"2 requests are waiting \(limit 2\)"):
             busy.submit("One too many.", params)
-        assert time.monotonic() - started < 1.0
         running.close()  # the seat frees; the two waiting requests run
         for stream in queued:
             assert finals(collect(stream))[0].finish_reason == "length"
