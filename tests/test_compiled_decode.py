@@ -269,6 +269,8 @@ def test_bf16_step_matches_eager(packages, tiny_model_dir, monkeypatch):
     summed in fp32) gives the eager forward's greedy token and its logits up to bf16 rounding on
     a captured step."""
     compiled = run_forward_ab(tiny_model_dir, "bfloat16", monkeypatch)
+    assert package_path(tiny_model_dir, torch.bfloat16, "lone").exists()
+    assert not package_path(tiny_model_dir, torch.bfloat16, "batch").exists()  # a lone step's A/B builds no batch step
     # bf16 keeps 8 significant bits: this model's logits (tens) round to steps of 0.125 or 0.25.
     assert compiled["same_greedy"] and compiled["max_abs_diff"] <= 0.5
 

@@ -1,8 +1,8 @@
 """A `benchmarks/forward_ab.py` variant: the captured decode step through the compiled step
 (engine/worker/compiled_decode.py) instead of the eager forward: the lone-chat graph for one
-chat, the batch graph for more. Both are built first if this machine has no packages for the
-model and dtype yet. The model is $MODEL's (the embedded default without it): name the same one
-with forward_ab.py's --model.
+chat, the batch graph for more. The one it needs is built first if this machine has no package
+for the model and dtype yet. The model is $MODEL's (the embedded default without it): name the
+same one with forward_ab.py's --model.
 
     .venv/bin/python benchmarks/forward_ab.py --dtype bfloat16 --chats 1 \\
         --variant benchmarks/variants/compiled_step.py
@@ -23,7 +23,8 @@ def VARIANTS(model, inputs) -> dict:
     if len(lengths) != input_ids.shape[0]:
         raise SystemExit("the compiled steps decode one token per chat: capture a decode step")
     tables = [meta.block_table[i, :-(-n // block_size)].tolist() for i, n in enumerate(lengths)]
-    compiled = CompiledDecode(os.environ.get("MODEL"), model.dtype, model)
+    kinds = ("lone",) if len(lengths) == 1 else ("batch",)  # the one step this captured forward takes
+    compiled = CompiledDecode(os.environ.get("MODEL"), model.dtype, model, kinds)
     if not compiled.wait():
         raise SystemExit(f"no compiled step: {compiled.error}")
     tokens, positions = input_ids.tolist(), positions.tolist()

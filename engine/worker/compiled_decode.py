@@ -291,8 +291,14 @@ class CompiledDecode:
     (the paged cache gets each new token too, for the batches to come); `decode_batch` runs a
     batch of decodes on the paged cache."""
 
-    def __init__(self, model: str | None, dtype: torch.dtype, decoder: LlamaModel) -> None:
-        self.model, self.dtype, self.decoder = model, dtype, decoder
+    def __init__(self, model: str | None, dtype: torch.dtype, decoder: LlamaModel,
+                 kinds: tuple[str, ...] = KINDS) -> None:
+        """`kinds`: the steps to build and load (an engine wants both; a benchmark of one step
+        need not build the other)."""
+        unknown = set(kinds) - set(KINDS)
+        if unknown or not kinds:
+            raise ValueError(f"kinds must be some of {KINDS}, not {kinds}")
+        self.model, self.dtype, self.decoder, self.kinds = model, dtype, decoder, kinds
         self.paths: dict[str, Path] = {}  # by kind, found in the background (inductor's ISA check compiles a probe)
         self.error: str | None = None  # why a step is unavailable (the other may still be ready)
         self._ready = threading.Event()
@@ -319,7 +325,8 @@ class CompiledDecode:
 
     @property
     def settled(self) -> bool:
-        """Started, and both steps are loaded or known to be unavailable: nothing more will change."""
+        """Started, and every step of `kinds` is loaded or known to be unavailable: nothing more
+        will change."""
         return self._thread is not None and not self._thread.is_alive()
 
     def start(self) -> CompiledDecode:
@@ -331,10 +338,10 @@ class CompiledDecode:
         return self
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Start if not started, then block until both steps are ready (True) or either failed or
-        `timeout` passed (False)."""
+        """Start if not started, then block until every step of `kinds` is ready (True) or one
+        failed or `timeout` passed (False)."""
         self.start()._thread.join(timeout)
-        return self.ready and self.batch_ready
+        return ("lone" not in self.kinds or self.ready) and ("batch" not in self.kinds or self.batch_ready)
 
     def _prepare(self) -> None:
         with contextlib.suppress(OSError):  # this thread only: the serving thread keeps its priority
@@ -351,7 +358,7 @@ class CompiledDecode:
             return
         _sweep_leftovers(folder)
         # The lone step first: a single user, the common case on a quiet server, waits on it.
-        for kind in KINDS:
+        for kind in self.kinds:
             try:
                 path = self.paths[kind] = package_path(self.model, self.dtype, kind)
                 problem = digest_problem(path) if path.exists() else None
