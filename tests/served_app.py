@@ -8,6 +8,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from waiting import DEADLINE_S, poll, wait_for
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -29,11 +31,9 @@ class Served:
                                                      **options))
         self._thread = threading.Thread(target=self._server.run, name=f"uvicorn-{self.port}", daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 60
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the server on port {self.port} did not start")
-            time.sleep(0.02)
+        wait_for(lambda: self._server.started or not self._thread.is_alive(), f"the server on port {self.port} to start")
+        if not self._server.started:
+            raise RuntimeError(f"the server on port {self.port} did not start")
 
     def close(self) -> None:
         self._server.should_exit = True
@@ -42,15 +42,12 @@ class Served:
             close()
 
 
-def engine_idle(client, timeout: float = 5.0) -> bool:
+def engine_idle(client, timeout: float = DEADLINE_S) -> bool:
     """Whether `client`'s engine has no request left (running, waiting or swapped) within `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def idle() -> bool:
         stats = client.stats()
-        if stats.num_running + stats.num_waiting + stats.num_swapped == 0:
-            return True
-        time.sleep(0.01)
-    return False
+        return stats.num_running + stats.num_waiting + stats.num_swapped == 0
+    return bool(poll(idle, timeout, interval=0.01))
 
 
 class PeakRunning:

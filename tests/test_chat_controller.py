@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 from served_app import engine_idle
+from waiting import async_wait_for
 
 from engine import EngineBusyError, EngineClient, LLMEngine, decode_rate
 from engine.outputs import Delta
@@ -304,10 +305,13 @@ async def test_the_memory_of_a_preset_chat_alone_counts_its_preset_blocks_as_sha
     assert engine_idle(client)  # no other chat holds the preset's blocks
     views, _ = await streaming(chat, user, conversation_id)
     seen = []
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not (seen and seen[-1].shared and seen[-1].own):
+
+    def latest_shares_and_owns():
         seen.append(chat.memory(user, conversation_id)[0])
-        await asyncio.sleep(0.1)  # the monitor reads a new map once a second
+        return seen[-1].shared and seen[-1].own
+    # The monitor reads a new map once a second.
+    await async_wait_for(latest_shares_and_owns, lambda: f"a memory with shared and own blocks: {seen[-3:]}",
+                         interval=0.1)
     # The preset's 23 tokens fill one 16-token block, read from the prefix cache; the rest is its own.
     assert seen[-1].shared == 1 and seen[-1].own > 0 and seen[-1].host == 0, seen
     await views.aclose()
@@ -367,17 +371,17 @@ async def test_closing_mid_stream_stores_the_partial_reply_as_stopped(chat, stor
     assert 0 < reply["completion_tokens"] < 500 and reply["content"].strip()
     assert engine_idle(client), client.stats()
 
-    started = time.monotonic()
-    shown = chat.after_stop(user, conversation_id, timeout=5.0)
-    assert time.monotonic() - started < 1.0
+    assert not chat.replying(user, conversation_id)  # the turn is over: after_stop has nothing to wait for
+    shown = chat.after_stop(user, conversation_id)
     assert shown[-1]["role"] == "assistant" and "stopped" in shown[-1]["content"]
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("when", ["before the first token", "mid-stream"])
-async def test_cancelling_the_reader_aborts_at_once_and_stores_what_was_written(chat, store, client, slow_engine, when):
+async def test_cancelling_the_reader_aborts_and_stores_what_was_written(chat, store, client, slow_engine, when):
     """What Stop and a closed tab do: the task that reads the reply is cancelled."""
-    user = new_user()
+    user, ended = new_user(), []
+    client.add_listener(lambda delta, now: ended.append(delta.finish_reason) if delta.finish_reason else None)
     if when == "before the first token":
         slow_engine.set()  # no step, so no token, until the reader is cancelled
     views = chat.send(user, None, "Write a very long story about a lighthouse.", SYSTEM, greedy(500))
@@ -388,15 +392,15 @@ async def test_cancelling_the_reader_aborts_at_once_and_stores_what_was_written(
             shown.append(view)
 
     reader = asyncio.create_task(read())
-    while not shown or (when == "mid-stream" and shown[-1].messages[-1]["role"] != "assistant"):
-        await asyncio.sleep(0.005)
+    await async_wait_for(lambda: shown and (when != "mid-stream" or shown[-1].messages[-1]["role"] == "assistant"),
+                         "the reply to reach the point to cancel at", interval=0.005)
     reader.cancel()
     with pytest.raises(asyncio.CancelledError):
         await reader
     slow_engine.clear()
-    cancelled_at = time.monotonic()
-    assert await asyncio.to_thread(engine_idle, client, 1.0), client.stats()
-    assert time.monotonic() - cancelled_at < 1.0
+    assert await asyncio.to_thread(engine_idle, client), client.stats()
+    # Ended by the cancel, not run to its end (before the first token it may never have been submitted).
+    assert not {"stop", "length"} & set(ended) and (ended or when == "before the first token"), ended
     assert not chat.replying(user, shown[0].conversation_id)
     stored = store.messages(user, shown[0].conversation_id)
     if when == "mid-stream":
@@ -412,10 +416,10 @@ async def test_closing_before_the_reply_streams_aborts_the_request_and_stores_on
     views = chat.send(user, None, "Stop me before I start", "", greedy(500))
     first = await anext(views)  # the user's side, stored; no delta read yet
     await views.aclose()
-    assert engine_idle(client, 1.0), client.stats()
+    assert engine_idle(client), client.stats()
     assert not {"stop", "length"} & set(ended), ended  # ended by the close, not left to run to its end
     assert roles(store, user, first.conversation_id) == ["user"]
-    assert chat.after_stop(user, first.conversation_id, timeout=5.0) == first.messages
+    assert chat.after_stop(user, first.conversation_id) == first.messages
 
 
 def test_after_stop_with_no_stream_just_redraws(chat, store):
