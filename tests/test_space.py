@@ -22,9 +22,9 @@ import pytest
 from fake_openid import FakeOpenID
 from playwright.sync_api import expect
 from served_app import Served, free_port
+from waiting import DEADLINE_S
 from web_browser import Browser, browser  # noqa: F401  (the module's chromium)
 
-from app import SHUTDOWN_GRACE_S
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OWNER = "owner"
@@ -32,7 +32,7 @@ CLIENT_ID = "pagedchat-space"
 CLIENT_SECRET = secrets.token_urlsafe(16)
 START_TIMEOUT_S = 120
 DONE = "prompt tokens cached"  # the metrics line under a finished reply
-REPLY_TIMEOUT_MS = 60_000
+REPLY_TIMEOUT_MS = int(DEADLINE_S * 1000)  # a reply on a busy machine: a bound on a hang
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +199,9 @@ def test_sigterm_stops_the_app_cleanly(space):
     stopped, the last database backup taken), not killed by the signal uvicorn re-raises. The
     open pages' event streams are ended at once, not cancelled after the grace period."""
     *_, log_path, process = space
-    started = time.monotonic()
     process.terminate()
-    assert process.wait(timeout=30) == 0
-    assert time.monotonic() - started < SHUTDOWN_GRACE_S, "shutdown waited out the grace period"
+    assert process.wait(timeout=DEADLINE_S) == 0
     log = log_path.read_text()
+    # Uvicorn logs "... timeout graceful shutdown exceeded" when it cancels what outlived the
+    # grace period: its absence, not a stopwatch, says the streams were ended at once.
     assert "Traceback" not in log and "timeout graceful shutdown" not in log, log[-4000:]
