@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from waiting import wait_for
 
 from engine import LLM, SamplingParams
 from engine.core_client import CoreProcessClient, EngineStartError
@@ -22,16 +23,6 @@ from engine.frontend.request_streams import EngineDeadError
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "Tell me about lighthouses."}]
-
-
-def wait_for(condition, timeout: float = 60.0, what: str = "the condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} did not hold within {timeout} s")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +52,7 @@ def test_a_stop_string_found_by_the_frontend_ends_the_reply_and_frees_its_blocks
     assert deltas[-1].finish_reason == "stop" and text == full[:full.index(stop)]
     assert deltas[-1].usage.completion_tokens < 60
     wait_for(lambda: core.stats().device_blocks_used == 0 and core.stats().num_running == 0,
-             what="the stopped request's blocks to return")
+             "the stopped request's blocks to return")
 
 
 def test_a_model_the_core_cannot_load_is_refused_with_its_reason(tmp_path):
@@ -100,7 +91,7 @@ def test_a_killed_core_ends_every_stream_with_an_error_and_a_new_one_serves(tiny
             assert reason == "error" and "killed (SIGKILL)" in error
             assert ended_at - killed_at < 5.0  # at once (measured: a few ms), generous for a busy machine
         # Restarting: closed (nothing is accepted, with the reason) until the new core is up.
-        wait_for(lambda: not client.closed, what="a new core")
+        wait_for(lambda: not client.closed, "a new core")
         assert client.restarts == 1 and client.core_pid != pid
         reply = list(client.submit(QUESTION, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
         assert reply[-1].finish_reason == "length" and reply[-1].usage.completion_tokens == 8
@@ -138,7 +129,7 @@ def test_the_api_server_says_503_while_its_core_restarts_then_serves(tiny_model_
                 assert server.poll() is None, server.stderr.read()
                 return False
 
-        wait_for(healthy, 120, "the server to come up")
+        wait_for(healthy, "the server to come up")
         api = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
         stream = api.chat.completions.create(model=api.models.list().data[0].id, messages=QUESTION, stream=True,
                                              max_tokens=400, extra_body={"ignore_eos": True})
@@ -150,7 +141,7 @@ def test_the_api_server_says_503_while_its_core_restarts_then_serves(tiny_model_
                 pass
         statuses = set()
         wait_for(lambda: statuses.add(httpx.get(f"{base}/health", timeout=5).status_code) or 200 in statuses,
-                 120, "the new core")
+                 "the new core")
         assert 503 in statuses
         reply = api.chat.completions.create(model=api.models.list().data[0].id, messages=QUESTION, max_tokens=5)
         assert reply.choices[0].finish_reason in ("stop", "length")
@@ -179,8 +170,8 @@ def test_the_app_keeps_every_stored_reply_and_chats_again_after_its_core_dies(ti
 
         job = session.submit(user, conversation, "Now a long answer, please.", "None", "", 0.0, 1.0, 500,
                              api_name="/send")
-        wait_for(lambda: client.stats().num_running == 1, what="the second reply to stream")
-        wait_for(lambda: client.stats().total_generated_tokens > 20, what="some of it to be written")
+        wait_for(lambda: client.stats().num_running == 1, "the second reply to stream")
+        wait_for(lambda: client.stats().total_generated_tokens > 20, "some of it to be written")
         os.kill(client.core_pid, signal.SIGKILL)
         chat, _, _ = job.result(timeout=60)
         shown = chat[-1]["content"]
@@ -197,7 +188,7 @@ def test_the_app_keeps_every_stored_reply_and_chats_again_after_its_core_dies(ti
                                                api_name="/send")
             return box == "" and again == conversation
 
-        wait_for(sent_again, what="the app to chat again")
+        wait_for(sent_again, "the app to chat again")
         assert [m["role"] for m in store.messages(user, conversation)][-2:] == ["user", "assistant"]
         assert len(store.messages(user, conversation)) == 6
         session.close()
