@@ -12,6 +12,7 @@ import httpx
 import pytest
 from engine_servers import EngineServer
 from served_app import Served
+from waiting import wait_for
 
 from engine import EngineClient, LLMEngine
 from engine.api.server import MAX_BODY_BYTES
@@ -42,13 +43,6 @@ def error_of(response: httpx.Response) -> dict:
     body = response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     return body["error"]
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.01)
 
 
 class StreamClock:
@@ -88,14 +82,15 @@ class StreamClock:
 def test_a_large_tokenize_does_not_stall_another_users_stream(server):
     stream = StreamClock(server.url)
     try:
-        wait_for(lambda: len(stream.arrivals) >= 5, 120, "the stream's first chunks")
+        wait_for(lambda: len(stream.arrivals) >= 5, "the stream's first chunks", interval=0.01)
         prompt = "Paged attention keeps every sequence's keys in fixed-size blocks. " * 30_000  # 2 MB
         start = time.monotonic()
         answer = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}, timeout=300)
         end = time.monotonic()
         assert answer.status_code == 200, answer.text[:500]
         assert answer.json()["count"] > 100_000
-        wait_for(lambda: stream.arrivals[-1] > end or stream.finished.is_set(), 60, "a chunk after the tokenize")
+        wait_for(lambda: stream.arrivals[-1] > end or stream.finished.is_set(), "a chunk after the tokenize",
+                 interval=0.01)
         assert not stream.finished.is_set() or stream.arrivals[-1] > end, "the stream ended before the tokenize did"
         gap, took = stream.largest_gap(start, end), end - start
         # On the event loop the whole tokenize is one gap; off it the stream keeps its pace.

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 pytest.importorskip("gradio")
 import httpx  # noqa: E402
 from served_app import Served  # noqa: E402
+from waiting import wait_for  # noqa: E402
 
 from benchmarks.gradio_http import fn_index, submit  # noqa: E402
 from storage import Store  # noqa: E402
@@ -74,17 +74,6 @@ def app(tiny_model_dir, tmp_path_factory) -> Iterator[App]:
 
 def new_user() -> str:
     return f"anon:{uuid.uuid4().hex}"
-
-
-def within(seconds: float, condition: Callable[[], bool]) -> bool:
-    """Whether `condition` holds within `seconds` (what the server does after a reply has been
-    read, such as ending a closed stream, may take it a moment)."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def files_under(folder: Path) -> set[Path]:
@@ -184,7 +173,8 @@ def test_calls_leave_no_session_state_behind(app):
     user = new_user()
     for i in range(60):
         assert rest_send(app.url, user, f"Call {i}") == "complete"
-    assert within(10, lambda: len(app.sessions) == 0), f"{len(app.sessions)} sessions held after 60 REST calls"
+    # What the server does after a reply has been read, such as ending a closed stream, may take it a moment.
+    wait_for(lambda: len(app.sessions) == 0, lambda: f"no session held; {len(app.sessions)} held after 60 REST calls")
 
     # As a browser calls (its own event stream), when each event has completed.
     send = fn_index(app.url, "send")
@@ -194,4 +184,4 @@ def test_calls_leave_no_session_state_behind(app):
             assert any(m.get("msg") == "process_completed" and m["success"] for m in event.messages())
         finally:
             event.leave()
-    assert within(10, lambda: len(app.sessions) == 0), f"{len(app.sessions)} sessions held, no stream open"
+    wait_for(lambda: len(app.sessions) == 0, lambda: f"no session held; {len(app.sessions)} held, no stream open")
