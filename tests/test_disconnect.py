@@ -1,16 +1,16 @@
 """A browser that goes away mid-turn, over real HTTP: the app served by uvicorn, a turn started as
 Gradio's own client starts one (POST queue/join, then the session's event stream), and the
 connection closed — before the reply's first token and mid-stream. The engine request must be
-gone, and its blocks back, within a second."""
+gone, ended by an abort (not by running out), and its blocks back."""
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
 
 pytest.importorskip("gradio")
 from served_app import served_chat  # noqa: E402
+from waiting import poll, wait_for  # noqa: E402
 
 from benchmarks.gradio_http import BrowserEvent, fn_index, submit  # noqa: E402
 
@@ -32,15 +32,12 @@ def open_turn(url: str, user: str, text: str, max_tokens: int) -> BrowserEvent:
     return submit(url, fn_index(url, "send"), [user, None, text, "None", "", 0.0, 1.0, max_tokens])
 
 
-def idle_within(client, seconds: float) -> float | None:
-    """Seconds until no request runs, waits or is swapped and no device block is in use."""
-    started = time.monotonic()
-    while time.monotonic() - started < seconds:
+def wait_until_idle(client) -> None:
+    """No request runs, waits or is swapped and no device block is in use."""
+    def idle():
         stats = client.stats()
-        if stats.num_running + stats.num_waiting + stats.num_swapped == 0 and stats.device_blocks_used == 0:
-            return time.monotonic() - started
-        time.sleep(0.01)
-    return None
+        return stats.num_running + stats.num_waiting + stats.num_swapped == 0 and stats.device_blocks_used == 0
+    wait_for(idle, lambda: f"the engine idle; it holds {client.stats()}")
 
 
 def chat_blocks(client) -> int:
@@ -52,7 +49,7 @@ def new_user() -> str:
     return f"anon:{uuid.uuid4().hex}"
 
 
-def test_a_browser_gone_before_the_first_token_frees_its_request_at_once(served):
+def test_a_browser_gone_before_the_first_token_frees_its_request(served):
     client, store, url = served
     blocker = client.submit("Keep the only sequence slot busy.",
                             SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
@@ -64,24 +61,22 @@ def test_a_browser_gone_before_the_first_token_frees_its_request_at_once(served)
         # after it, the handler has nothing to yield until the first token.
         first = next(m for m in turn.messages() if m.get("msg") in ("process_generating", "process_completed"))
         assert first["msg"] == "process_generating"
-        deadline = time.monotonic() + 5
-        while client.stats().num_waiting != 1:  # the stats are the latest step's
-            assert time.monotonic() < deadline, "the turn never reached the engine"
-            time.sleep(0.005)
+        # The stats are the latest step's.
+        wait_for(lambda: client.stats().num_waiting == 1, "the turn to reach the engine", interval=0.005)
         turn.leave()
-        closed_at = time.monotonic()
-        while client.stats().num_waiting or chat_blocks(client):  # neither waiting nor running
-            assert time.monotonic() - closed_at < 1.0, "the waiting request outlived its browser"
-            time.sleep(0.01)
+        # Neither waiting nor running, while the blocker (900 tokens, unread) still holds the only
+        # slot: gone by the abort, not by having had its turn.
+        wait_for(lambda: not (client.stats().num_waiting or chat_blocks(client)),
+                 "the waiting request to go with its browser")
         assert client.stats().num_running == 1  # the blocker alone: the chat's request is gone
     finally:
         blocker.close()  # aborts it
-    assert idle_within(client, 2.0) is not None
+    wait_until_idle(client)
     [conversation] = store.conversations(user)
     assert [m["role"] for m in store.messages(user, conversation["id"])] == ["user"]  # no reply was written
 
 
-def test_a_browser_gone_mid_stream_frees_its_blocks_within_a_second_and_keeps_the_partial_reply(served):
+def test_a_browser_gone_mid_stream_frees_its_blocks_and_keeps_the_partial_reply(served):
     client, store, url = served
     user = new_user()
     turn = open_turn(url, user, LONG_STORY, max_tokens=900)
@@ -93,16 +88,14 @@ def test_a_browser_gone_mid_stream_frees_its_blocks_within_a_second_and_keeps_th
             assert message.get("msg") != "process_completed", f"the reply ended before we left: {message}"
     finally:
         turn.leave()
-    took = idle_within(client, 1.0)
-    assert took is not None, f"the request outlived its browser: {client.stats()}"
+    wait_until_idle(client)
 
-    deadline = time.monotonic() + 5  # the stopped reply is stored as the handler ends
-    while True:
+    def stored_messages():  # the stopped reply is stored as the handler ends
         [conversation] = store.conversations(user)
         stored = store.messages(user, conversation["id"])
-        if len(stored) == 2 or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
+        return stored if len(stored) == 2 else None
+    stored = poll(stored_messages) or store.messages(user, store.conversations(user)[0]["id"])
+    # Ended by the abort (its finish reason, fewer than its 900 tokens), not by running out.
     assert [m["role"] for m in stored] == ["user", "assistant"]
     assert stored[1]["stopped"] and stored[1]["finish_reason"] == "abort" and stored[1]["content"].strip()
     assert 0 < stored[1]["completion_tokens"] < 900
