@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 
 import pytest
@@ -14,6 +13,7 @@ import httpx  # noqa: E402
 from gradio_client import Client  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 from served_app import PeakRunning, served_chat  # noqa: E402
+from waiting import DEADLINE_S, poll, wait_for  # noqa: E402
 
 from engine import SamplingParams  # noqa: E402
 
@@ -57,7 +57,7 @@ def test_eight_browsers_chat_at_once(served):
 
     def chat(i: int) -> None:
         session, job = send(url, users[i], prompts[i])
-        results[i] = job.result(timeout=60)
+        results[i] = job.result(timeout=DEADLINE_S)
         session.close()
 
     # The engine must see several streams at once: the queue does not serialise them.
@@ -94,11 +94,11 @@ def test_too_long_prompt_is_an_error_in_the_chat_while_others_chat(served):
     long_user, other_user = new_user(), new_user()
     long_session, long_job = send(url, long_user, "word " * 3000)
     other_session, other_job = send(url, other_user, "Hello there, how are you?")
-    chat_view, conversation_id, box = long_job.result(timeout=60)
+    chat_view, conversation_id, box = long_job.result(timeout=DEADLINE_S)
     assert "too long" in shown_text(chat_view) and "Error" in shown_text(chat_view)
     assert conversation_id is None and box.startswith("word")  # the text stays, to be shortened
     assert store.conversations(long_user) == []
-    other_chat, other_id, _ = other_job.result(timeout=60)
+    other_chat, other_id, _ = other_job.result(timeout=DEADLINE_S)
     assert store.messages(other_user, other_id)[-1]["finish_reason"] in ("stop", "length")
     long_session.close()
     other_session.close()
@@ -108,23 +108,16 @@ def test_stop_stores_the_partial_reply_and_frees_blocks(served):
     client, store, url = served
     user = new_user()
     session, job = send(url, user, "Write a very long story about a lighthouse.", max_tokens=1000)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def streaming() -> list | None:
         outputs = job.outputs()
-        if len(outputs) >= 4 and outputs[-1][1] is not None:
-            break
-        time.sleep(0.02)
-    else:
-        pytest.fail("the reply never started streaming")
+        return outputs if len(outputs) >= 4 and outputs[-1][1] is not None else None
+    outputs = wait_for(streaming, "the reply to start streaming")
     conversation_id = outputs[-1][1]
     job.cancel()
 
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        messages = store.messages(user, conversation_id)
-        if messages[-1]["role"] == "assistant" and client.stats().device_blocks_used == 0:
-            break
-        time.sleep(0.05)
+    poll(lambda: store.messages(user, conversation_id)[-1]["role"] == "assistant"
+         and client.stats().device_blocks_used == 0, interval=0.05)
+    messages = store.messages(user, conversation_id)
     reply = messages[-1]
     assert reply["role"] == "assistant", messages
     assert reply["stopped"] and reply["finish_reason"] == "abort"
@@ -137,7 +130,7 @@ def test_regenerate_edit_rename_search_delete(served):
     client, store, url = served
     user = new_user()
     session, job = send(url, user, "Show me <script>alert(1)</script> please")
-    chat_view, conversation_id, _ = job.result(timeout=60)
+    chat_view, conversation_id, _ = job.result(timeout=DEADLINE_S)
     assert "&lt;script&gt;" in shown_text(chat_view[:1])  # HTML shows as text, never runs
 
     chat_view, same_id = session.predict(user, conversation_id, 0.0, 1.0, MAX_TOKENS, api_name="/regenerate")
@@ -256,7 +249,7 @@ def victim(served):
     client, store, url = served
     user = new_user()
     session, job = send(url, user, "My private chat")
-    _, conversation_id, _ = job.result(timeout=60)
+    _, conversation_id, _ = job.result(timeout=DEADLINE_S)
     session.close()
     return user, conversation_id
 
@@ -311,7 +304,7 @@ def test_control_characters_are_stored_as_sent_and_html_is_shown_as_text(served)
     user = new_user()
     odd = "NUL \x00 bell \x07 escape \x1b[31m vertical tab \x0b DEL \x7f end"
     session, job = send(url, user, odd)
-    _, conversation_id, _ = job.result(timeout=60)
+    _, conversation_id, _ = job.result(timeout=DEADLINE_S)
     assert stored(store, user)[0] == ("user", odd)
 
     html = '<img src=x onerror="alert(1)"><script>alert(2)</script>'
@@ -328,7 +321,7 @@ def test_search_with_fts_syntax_finds_or_finds_nothing_never_fails(served, query
     client, store, url = served
     user = new_user()
     session, job = send(url, user, 'The quick fox said "NOT" a OR b * NEAR( twice')
-    _, conversation_id, _ = job.result(timeout=60)
+    _, conversation_id, _ = job.result(timeout=DEADLINE_S)
     found = session.predict(user, query, conversation_id, api_name="/search")
     session.close()
     assert [choice[1] for choice in found["choices"]] in ([], [conversation_id])
@@ -339,7 +332,7 @@ def test_fts_words_in_search_are_words(served):
     client, store, url = served
     user = new_user()
     session, job = send(url, user, "Notes on NEAR and NOT operators")
-    _, conversation_id, _ = job.result(timeout=60)
+    _, conversation_id, _ = job.result(timeout=DEADLINE_S)
     for query in ("NOT", "NEAR(", '"operators"'):
         found = session.predict(user, query, conversation_id, api_name="/search")
         assert [choice[1] for choice in found["choices"]] == [conversation_id], query
