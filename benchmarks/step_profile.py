@@ -66,7 +66,7 @@ def main() -> None:
     engine.runner._sample = timed(totals, "sampling", engine.runner._sample)
     kernels.paged_attention = timed(totals, "attention", kernels.paged_attention)
     kernels.store_kv = timed(totals, "store K/V", kernels.store_kv)
-    rms_norm.RMSNorm.forward = timed(totals, "RMSNorm", rms_norm.RMSNorm.forward)
+    rms_norm.RMSNorm.__call__ = timed(totals, "RMSNorm", rms_norm.RMSNorm.__call__)
     llama.rotate = timed(totals, "rotary", llama.rotate)
     linear.Linear.__call__ = timed(totals, "weight matmuls", linear.Linear.__call__)
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine.worker.models.decode_step import FrozenDecoder
 from engine.worker.models.layers.activation import silu_and_mul
 from engine.worker.models.layers.attention import attend
+from engine.worker.models.layers.rms_norm import rms_norm
 from engine.worker.models.layers.rotary import rotate
 
 
@@ -38,7 +39,7 @@ class BatchDecodeStep(FrozenDecoder):
         sequence's past tokens). Returns fp32 logits `[B, vocab]`, the new tokens' K/V `[B,
         layers, 2, kv_heads, head_dim]` for the caller to store, and the logits' argmax `[B]`."""
         heads, kv_heads, dim = self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim
-        group, scale, dtype = self.shape.group, self.shape.scale, self.dtype
+        group, scale, eps, dtype = self.shape.group, self.shape.scale, self.shape.eps, self.dtype
         batch, block_size = tokens.shape[0], kv_cache.shape[4]
         shared_len, own_len = shared_blocks.shape[0] * block_size, own_blocks.shape[1] * block_size
         hidden = F.embedding(tokens, self.embed)
@@ -46,7 +47,7 @@ class BatchDecodeStep(FrozenDecoder):
         own_bias = own_bias[None, :, None, :]
         new_kv = []
         for index, layer in enumerate(self.layers):
-            qkv = F.linear(layer.input_norm(hidden), layer.qkv, layer.qkv_bias)
+            qkv = F.linear(rms_norm(hidden, layer.input_norm, eps), layer.qkv, layer.qkv_bias)
             qk = rotate(qkv[:, :(heads + kv_heads) * dim].view(batch, heads + kv_heads, dim), cos, sin)
             q = (qk[:, :heads] * scale).view(batch, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, B, group, dim]
             k, v = qk[:, heads:], qkv[:, (heads + kv_heads) * dim:].view(batch, kv_heads, dim)
@@ -65,8 +66,8 @@ class BatchDecodeStep(FrozenDecoder):
                 ((q * k.transpose(0, 1)[:, :, None]).sum(-1, keepdim=True).float(),
                  lambda weights: weights * v.transpose(0, 1)[:, :, None].float())])
             hidden = hidden + F.linear(attn.to(dtype).permute(1, 0, 2, 3).reshape(batch, heads * dim), layer.o_proj)
-            gate, up = F.linear(layer.post_norm(hidden), layer.gate_up).chunk(2, -1)
+            gate, up = F.linear(rms_norm(hidden, layer.post_norm, eps), layer.gate_up).chunk(2, -1)
             hidden = hidden + F.linear(silu_and_mul(gate, up), layer.down)
             new_kv.append(torch.stack([k, v], 1))
-        logits = F.linear(self.norm(hidden), self.lm_head).float()
+        logits = F.linear(rms_norm(hidden, self.norm, eps), self.lm_head).float()
         return logits, torch.stack(new_kv, 1), logits.argmax(-1)

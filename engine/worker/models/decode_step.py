@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from engine.worker.models.layers.activation import silu_and_mul
 from engine.worker.models.layers.attention import attend
 from engine.worker.models.layers.matvec import MatVec
-from engine.worker.models.layers.rms_norm import RMSNorm
+from engine.worker.models.layers.rms_norm import rms_norm
 from engine.worker.models.layers.rotary import rotate
 from engine.worker.models.layers.shape import DecoderShape
 from engine.worker.models.weights import DecoderWeights, frozen
@@ -28,19 +28,18 @@ from engine.worker.models.weights import DecoderWeights, frozen
 
 class FrozenDecoder(torch.nn.Module):
     """The decoder's weights as frozen parameters (what the compiler folds into its graph as
-    constants) and its norms; the decode graphs below are written on it."""
+    constants) and its RMSNorm; the decode graphs below are written on it."""
 
     def __init__(self, hf_model, dtype: torch.dtype) -> None:
         super().__init__()
         self.shape, self.dtype = DecoderShape.of(hf_model.config), dtype
         weights = DecoderWeights.of(hf_model, dtype, torch.device("cpu"))
-        self.embed, self.norm = frozen(weights.embed), RMSNorm(weights.norm, self.shape.eps)
+        self.embed, self.norm = frozen(weights.embed), frozen(weights.norm)
         self.lm_head = self.embed if weights.lm_head is weights.embed else frozen(weights.lm_head)
         self.layers = torch.nn.ModuleList()
         for w in weights.layers:
             layer = torch.nn.Module()
-            layer.input_norm, layer.post_norm = (RMSNorm(norm, self.shape.eps) for norm in (w.input_norm, w.post_norm))
-            for name in ("qkv", "qkv_bias", "o_proj", "gate_up", "down"):
+            for name in ("input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down"):
                 setattr(layer, name, frozen(getattr(w, name)))
             self.layers.append(layer)
 
@@ -77,13 +76,13 @@ class DecodeStep(FrozenDecoder):
         store, and the logits' argmax `[1]` (what greedy sampling picks: a pass over the vocabulary
         outside the graph costs more, run with caches cold from streaming the weights)."""
         heads, kv_heads, dim = self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim
-        group, scale = self.shape.group, self.shape.scale
+        group, scale, eps = self.shape.group, self.shape.scale, self.shape.eps
         capacity = kv.shape[3]
         mask = torch.where(torch.arange(capacity, device=kv.device) < length, 0.0, float("-inf"))
         hidden = F.embedding(token, self.embed)
         new_kv = []
         for index, layer in enumerate(self.layers):
-            x = layer.input_norm(hidden)
+            x = rms_norm(hidden, layer.input_norm, eps)
             q, kv_new = layer.q(x).view(heads, dim), layer.kv(x).view(2 * kv_heads, dim)
             q = rotate(q, cos, sin).view(kv_heads, group, dim).float()
             k = rotate(kv_new[:kv_heads], cos, sin).view(kv_heads, 1, dim)
@@ -98,9 +97,9 @@ class DecodeStep(FrozenDecoder):
                            ((q * k.float()).sum(-1, keepdim=True) * scale,
                             lambda weights: weights * v.float())])
             hidden = hidden + layer.o_proj(attn.to(self.dtype).reshape(1, heads * dim))
-            x = layer.post_norm(hidden)
+            x = rms_norm(hidden, layer.post_norm, eps)
             hidden = hidden + layer.down(silu_and_mul(layer.gate(x), layer.up(x)))
             new_kv.append(torch.cat([k, v]))
-        x = self.norm(hidden)
+        x = rms_norm(hidden, self.norm, eps)
         logits = torch.cat([part(x) for part in self.head], -1).float()
         return logits, torch.stack(new_kv).view(len(self.layers), 2, kv_heads, dim), logits.argmax(-1)
