@@ -18,6 +18,27 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def _share_one_tls_context() -> None:
+    """httpx builds a TLS context for every client it makes, reading the whole CA bundle: ~90 ms
+    of CPU each on a 2-core EPYC. gradio_client makes one per call (and `httpx.get` one per
+    request), which was a third of test_app's CPU. The tests speak plain HTTP on loopback: one
+    context, built the same way, serves every default client."""
+    import httpx._transports.default as transport
+
+    build = transport.create_ssl_context
+    shared = build()
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None and trust_env:
+            return shared
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    transport.create_ssl_context = create_ssl_context
+
+
+_share_one_tls_context()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     """SmolLM2-135M-Instruct's tokenizer (ChatML template, eos `<|im_end|>` = 2); from the folder
