@@ -127,9 +127,11 @@ def test_a_visitor_sees_no_load_controls_until_giving_the_admin_token(browser, t
         assert profile.errors == []
 
 
-def test_screenshot_of_the_panel_under_load(browser, tmp_path):
-    """The README's panel screenshot, the real default model in a 96-block device pool with 16
-    synthetic users: a temporary file on every run, docs/panel.png with PAGEDCHAT_SCREENSHOT=1."""
+def test_screenshot_of_the_panel_under_load(browser, tiny_model_dir, tmp_path):
+    """The README's panel screenshot, a 96-block device pool under 16 synthetic users: with
+    PAGEDCHAT_SCREENSHOT=1 the real default model, into docs/panel.png; on every other run the
+    tiny model into a temporary file (the picture's path, not its model: the real model's load
+    took ~45 s here of a suite that must stay short; the test above shows the same behaviours)."""
     from engine.client import EngineClient
     from engine.llm_engine import LLMEngine
     from storage import Store
@@ -137,7 +139,8 @@ def test_screenshot_of_the_panel_under_load(browser, tmp_path):
     from ui.panel.feed import PanelFeed
 
     target = screenshot_target("panel.png", tmp_path)
-    client = EngineClient(LLMEngine(None, num_gpu_blocks=96, num_cpu_blocks=256))
+    model = None if os.environ.get("PAGEDCHAT_SCREENSHOT") else tiny_model_dir
+    client = EngineClient(LLMEngine(model, num_gpu_blocks=96, num_cpu_blocks=256))
     feed, load = PanelFeed(client), LoadGenerator(client)
     server, url = serve(client, Store(tmp_path / "chat.db"), feed, load)
     try:
