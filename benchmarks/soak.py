@@ -54,7 +54,7 @@ def serve(args: argparse.Namespace) -> None:
     with the engine's stats as JSON, until `quit`."""
     import uvicorn
 
-    from app import build_app, build_server
+    from ui.server import build_app, build_server
     from engine import CoreProcessClient
     from storage import Store
     from ui import backends

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
@@ -55,16 +56,36 @@ class CoreProcessClient(StreamingClient):
                  max_waiting: int = 256, restart: bool = True, num_threads: int | None = None, **options) -> None:
         """`options`: the engine core's (see EngineCore). `num_threads`: torch's threads in the
         core (default: torch's, one per core). `restart`: start a new core when one dies."""
+        self._begin(model, device, dtype, max_waiting, restart, num_threads, options)
+        self._finish()
+
+    @classmethod
+    def starting(cls, model: str | None = None, device: str | None = None, dtype: str | None = None, *,
+                 max_waiting: int = 256, restart: bool = True, num_threads: int | None = None,
+                 **options) -> Callable[[], CoreProcessClient]:
+        """Start the core process now and return what finishes the client (the tokenizer, then
+        the wait for the core): the caller does its own slow start-up in between (the app
+        imports Gradio, ~7 s of CPU) while the core loads the model on another CPU core."""
+        client = cls.__new__(cls)
+        client._begin(model, device, dtype, max_waiting, restart, num_threads, options)
+        return client._finish
+
+    def _begin(self, model, device, dtype, max_waiting: int, restart: bool, num_threads: int | None,
+               options: dict) -> None:
         super().__init__(max_waiting)
         self._options = {"model": model, "device": device, "dtype": dtype, "num_threads": num_threads, **options}
+        self._restart = restart
         # The core starts first: it imports torch and transformers and loads the weights on one
-        # core while this process imports them and loads the tokenizer on the other (one after
-        # the other, an engine took ~20 s to start on the tiny test model on a 2-core EPYC).
-        starting = self._spawn_core()
+        # CPU core while this process imports them and loads the tokenizer on the other (one
+        # after the other, an engine took ~20 s to start on the tiny test model on a 2-core EPYC).
+        self._starting = self._spawn_core()
+
+    def _finish(self) -> CoreProcessClient:
         from engine.worker.model_loader import load_tokenizer
 
+        starting, self._starting = self._starting, None
         try:
-            self.tokenizer = load_tokenizer(model)
+            self.tokenizer = load_tokenizer(self._options["model"])
         except BaseException:
             _stop(starting[0])
             starting[1].close()
@@ -73,7 +94,6 @@ class CoreProcessClient(StreamingClient):
         self._inputs = CallerSideInputs(self.tokenizer)
         self._outputs = OutputProcessor(copy.deepcopy(self.tokenizer))
         self._send_lock = threading.Lock()
-        self._restart = restart
         self._closing = False
         self._alive = threading.Event()
         self._death: str | None = None  # why the last core ended, while no new one serves
@@ -86,6 +106,7 @@ class CoreProcessClient(StreamingClient):
         self._await_core(*starting)
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
         self._reader.start()
+        return self
 
     # ---- the interface ------------------------------------------------------------------
     def stats(self) -> SchedulerStats:

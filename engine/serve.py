@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 from fastapi import FastAPI
 
@@ -75,6 +76,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def start_engine(args: argparse.Namespace, max_waiting: int, **options) -> StreamingClient:
     """The engine client that `args` ask for: the engine core in its own process (the default)
     or on a thread of this one. `options`: more of the engine's."""
+    return begin_engine(args, max_waiting, **options)()
+
+
+def begin_engine(args: argparse.Namespace, max_waiting: int, **options) -> Callable[[], StreamingClient]:
+    """`start_engine` in two halves: the engine core's process starts loading the model now, and
+    what is returned finishes the client when called, so the caller's own start-up runs meanwhile."""
     options = {"num_gpu_blocks": args.num_gpu_blocks, "num_cpu_blocks": args.num_cpu_blocks,
                "max_step_ms": args.max_step_ms or None, "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
                **options}
@@ -86,10 +93,10 @@ def start_engine(args: argparse.Namespace, max_waiting: int, **options) -> Strea
         if threads:
             import torch
             torch.set_num_threads(threads)
-        return EngineClient(LLMEngine(args.model, args.device, args.dtype, **options), max_waiting=max_waiting)
+        return lambda: EngineClient(LLMEngine(args.model, args.device, args.dtype, **options), max_waiting=max_waiting)
     from engine.core_client import CoreProcessClient
 
-    return CoreProcessClient(args.model, args.device, args.dtype, max_waiting=max_waiting, **options)
+    return CoreProcessClient.starting(args.model, args.device, args.dtype, max_waiting=max_waiting, **options)
 
 
 def main(argv: list[str] | None = None) -> None:

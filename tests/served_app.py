@@ -76,12 +76,12 @@ class PeakRunning:
 
 def serve(client, store, feed=None, load=None, host: str | None = None, api_key: str | None = None,
           backend=None) -> tuple[Served, str]:
-    """The whole app (`app.build_app` behind `app.build_server`) on 127.0.0.1, in this process: the
+    """The whole app (`ui.server.build_app` behind `ui.server.build_server`) on 127.0.0.1, in this process: the
     server and its URL. `client`: an in-process engine (with a panel feed and a load generator,
     made here unless given); or None and `backend`, remote servers (ui.backends.remote). `host`
     is the address the app is told it is bound to (it decides who may run the load generator
     and whether the API needs a key)."""
-    from app import build_app, build_server
+    from ui.server import build_app, build_server
     from ui import backends
     from ui.panel.feed import PanelFeed
     from ui.panel.load_generator import LoadGenerator

@@ -40,7 +40,7 @@ def served_page(model: str, root: Path) -> Iterator[App]:
     """The app around an engine on `model` (as tests/served_app.serve builds it, keeping its
     `Sessions`), with Gradio's and tempfile's temporary folders under `root`, so that what it
     leaves there can be counted while other tests run."""
-    from app import build_app, build_server
+    from ui.server import build_app, build_server
     from engine.client import EngineClient
     from engine.llm_engine import LLMEngine
     from ui import backends
