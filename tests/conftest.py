@@ -123,7 +123,9 @@ def engine_servers(tiny_model_dir, tmp_path_factory):
     servers = [EngineServer(tiny_model_dir, logs) for _ in range(2)]
     try:
         for server in servers:
-            server.start()
+            server.launch()
+        for server in servers:
+            server.wait_serving()
         yield servers
     finally:
         for server in servers:

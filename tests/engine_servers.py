@@ -27,11 +27,18 @@ class EngineServer:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 90.0) -> EngineServer:
+        return self.launch().wait_serving(timeout)
+
+    def launch(self) -> EngineServer:
+        """The process, started; `wait_serving` waits for it (several launched first start together)."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "engine.serve", "--model", self.model, "--served-model-name", "tiny",
                  "--port", str(self.port), *self.options], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_serving(self, timeout: float = 90.0) -> EngineServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
