@@ -24,6 +24,8 @@ once per token). Start-up is to the first generated token, from process start.
 
     .venv/bin/python benchmarks/peers/compare.py [--dtypes float32,bfloat16] [--systems engine,vllm,llamacpp] [--rounds 3]
 
+`--chats N` (default 32) shortens the workload for a smoke test; the figures above are of 32.
+
 A system that is not set up or fails is reported as missing, with why; the rest still run.
 """
 from __future__ import annotations
@@ -141,17 +143,22 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--chats", type=int, default=32, help="chats in the workload (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every system, interleaved (default 3)")
     parser.add_argument("--build", type=Path, default=BUILD, help="where the peers were set up (default %(default)s)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.chats < 1:
+        parser.error(f"--chats must be at least 1, got {args.chats}")
     dtypes, systems = args.dtypes.split(","), args.systems.split(",")
     if unknown := set(systems) - set(SYSTEMS):
         parser.error(f"unknown systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
     args.build.mkdir(parents=True, exist_ok=True)
     workload = args.build / "workload.json"
-    run([PYTHON, str(PEERS / "workload.py"), str(workload)])
+    from benchmarks.peers.workload import write_workload
+
+    write_workload(workload, args.chats)  # here, not in a process of its own: this one imports torch anyway
     bandwidth = read_bandwidth()
     runners = {"engine": engine, "vllm": vllm, "llamacpp": llamacpp}
 
@@ -197,7 +204,7 @@ def main() -> None:
     print()
     print(f"{cpu_model()}, {os.cpu_count()} cores; read bandwidth {bandwidth:.1f} GB/s; "
           f"medians of {args.rounds} round(s)")
-    header = f"{'system':<10} {'dtype':<9} {'32 chats tok/s':>15} {'1 chat tok/s':>13} {'share of bound':>15} {'start-up s':>11}"
+    header = f"{'system':<10} {'dtype':<9} {f'{args.chats} chats tok/s':>15} {'1 chat tok/s':>13} {'share of bound':>15} {'start-up s':>11}"
     print(header)
     print("-" * len(header))
     for dtype, row in results.items():
@@ -214,7 +221,7 @@ def main() -> None:
                       f"(rounds {row[f'engine_over_{peer}_rounds']}) {row[f'engine_over_{peer}_single']:>9.2f}x alone "
                       f"(rounds {row[f'engine_over_{peer}_single_rounds']})")
     print(json.dumps({"cpu": cpu_model(), "cores": os.cpu_count(), "read_gb_s": round(bandwidth, 1),
-                      "chats": 32, "output_tokens": args.output_tokens, "rounds": args.rounds, **results}))
+                      "chats": args.chats, "output_tokens": args.output_tokens, "rounds": args.rounds, **results}))
 
 
 if __name__ == "__main__":

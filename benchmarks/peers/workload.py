@@ -11,9 +11,20 @@ import json
 import sys
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root (benchmarks/kernels.py shadows kernels)
+if __name__ == "__main__":
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root (benchmarks/kernels.py shadows kernels)
 
 from benchmarks.throughput import NUM_CHATS, SYSTEM_PROMPT, chat_prompt, questions  # noqa: E402
+
+
+def write_workload(output: Path, chats: int = NUM_CHATS) -> list[list[int]]:
+    """Writes the workload of `chats` chats to `output`; returns its prompts' token ids."""
+    from engine.worker.model_loader import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(None)
+    prompts = [chat_prompt(tokenizer, SYSTEM_PROMPT, q) for q in questions(chats)]
+    Path(output).write_text(json.dumps({"model": resolve_model(None), "prompts": prompts}))
+    return prompts
 
 
 def main() -> None:
@@ -21,11 +32,9 @@ def main() -> None:
     parser.add_argument("output")
     parser.add_argument("--chats", type=int, default=NUM_CHATS)
     args = parser.parse_args()
-    from engine.worker.model_loader import load_tokenizer, resolve_model
+    from engine.worker.model_loader import resolve_model
 
-    tokenizer = load_tokenizer(None)
-    prompts = [chat_prompt(tokenizer, SYSTEM_PROMPT, q) for q in questions(args.chats)]
-    Path(args.output).write_text(json.dumps({"model": resolve_model(None), "prompts": prompts}))
+    prompts = write_workload(Path(args.output), args.chats)
     lengths = [len(p) for p in prompts]
     print(f"{len(prompts)} prompts, {min(lengths)}–{max(lengths)} tokens, model {resolve_model(None)}")
     print(json.dumps({"chats": len(prompts), "min_tokens": min(lengths), "max_tokens": max(lengths)}))
