@@ -9,6 +9,7 @@ Two measures, for each hash:
   prompt's full blocks (from the first measure) is set against the prefill's median time.
 
     .venv/bin/python benchmarks/prefix_hash.py [--blocks 20000] [--prompt-tokens 512] [--rounds 3] [--model M]
+        [--num-gpu-blocks N] [--num-cpu-blocks N]   # the engines' KV pools (default: the engine's, ~1 GiB each)
 
 Prints a table, then one JSON line of the figures (with the CPU model).
 """
@@ -61,7 +62,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default=None, help="folder or hub id (default: $MODEL, else the embedded model)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="device KV pool (default: the engine's)")
+    parser.add_argument("--num-cpu-blocks", type=int, default=None, help="host swap pool (default: the engine's)")
     args = parser.parse_args()
+    if args.num_gpu_blocks is not None and args.num_gpu_blocks * BLOCK_SIZE <= args.prompt_tokens:
+        parser.error(f"--num-gpu-blocks {args.num_gpu_blocks} cannot hold a {args.prompt_tokens}-token prompt")
     rng = random.Random(0)
     tokens = [rng.randrange(0, 49_152) for _ in range(args.blocks * BLOCK_SIZE)]
     per_block = {algo: hash_us_per_block(algo, tokens, args.rounds) for algo in HASH_ALGOS}
@@ -72,7 +77,8 @@ def main() -> None:
     prefill, model, dtype = {}, None, None
     for algo in HASH_ALGOS:
         llm = LLM(args.model, dtype=args.dtype, compile_decode=False, enable_prefix_caching=True,
-                  prefix_caching_hash_algo=algo, block_size=BLOCK_SIZE)
+                  prefix_caching_hash_algo=algo, block_size=BLOCK_SIZE, num_gpu_blocks=args.num_gpu_blocks,
+                  num_cpu_blocks=args.num_cpu_blocks)
         model, dtype = llm.engine.model_name, str(llm.engine.dtype).removeprefix("torch.")
         prefill[algo] = prefill_ms(llm, args.prompt_tokens, args.rounds, rng)
         del llm

@@ -9,7 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_prefix_hash_benchmark_reports_both_hashes(tiny_model_dir):
     done = subprocess.run([sys.executable, "benchmarks/prefix_hash.py", "--model", tiny_model_dir, "--dtype", "float32",
-                           "--blocks", "200", "--prompt-tokens", "64", "--rounds", "1"],
+                           "--blocks", "200", "--prompt-tokens", "64", "--rounds", "1", "--num-gpu-blocks", "32",
+                           "--num-cpu-blocks", "8"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
