@@ -52,19 +52,22 @@ BUSY_MARK = "The server is busy with other chats"
 def serve(args: argparse.Namespace) -> None:
     """The child: the app on a loopback port; prints READY, then answers `stats` lines on stdin
     with the engine's stats as JSON, until `quit`."""
+    from engine import CoreProcessClient
+
+    # As `python app.py` serves: the engine core in a process of its own, loading the model while
+    # this one imports the UI.
+    finish_engine = CoreProcessClient.starting(args.model, num_gpu_blocks=args.gpu_blocks,
+                                               num_cpu_blocks=args.cpu_blocks, max_waiting=args.max_waiting)
     import uvicorn
 
-    from ui.server import build_app, build_server
-    from engine import CoreProcessClient
     from storage import Store
     from ui import backends
     from ui.panel.feed import PanelFeed
     from ui.panel.load_generator import LoadGenerator
+    from ui.server import build_app, build_server
     from ui.sessions import Sessions
 
-    # As `python app.py` serves: the engine core in a process of its own.
-    client = CoreProcessClient(args.model, num_gpu_blocks=args.gpu_blocks, num_cpu_blocks=args.cpu_blocks,
-                               max_waiting=args.max_waiting)
+    client = finish_engine()
     feed, load, sessions = PanelFeed(client), LoadGenerator(client), Sessions()
     backend = backends.in_process(client)
     demo = build_app(backend, Store(args.db), feed, load, host="127.0.0.1", sessions=sessions)
