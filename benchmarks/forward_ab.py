@@ -10,7 +10,8 @@ in turn, round after round, and each side's median is compared.
 A variant is a Python file defining `VARIANTS(model, inputs) -> {name: apply}` (`inputs`: the
 captured forward's arguments), where `apply()` changes the code (assigns a module's function, a
 layer's weight, the model's whole `forward`, ...) and returns a callable that undoes it. Each variant's logits are checked
-against the base's (largest difference, same greedy tokens) before anything is timed.
+against the base's (largest difference, same greedy tokens) before anything is timed. The files are imported before
+the model loads: one without VARIANTS is refused at once.
 
     .venv/bin/python benchmarks/forward_ab.py --dtype bfloat16 --chats 32 --variant /tmp/my_change.py
 """
@@ -29,11 +30,20 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the repository root
 from benchmarks.machine import cpu_model  # noqa: E402
 
 
-def load_variants(path: str, model, inputs: tuple) -> dict:
+def import_variants(path: str):
+    """The file's VARIANTS function, read before any model loads: a wrong file is refused at once."""
+    if not Path(path).is_file():
+        raise SystemExit(f"{path}: no such file")
     spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    variants = module.VARIANTS(model, inputs)
+    if not callable(getattr(module, "VARIANTS", None)):
+        raise SystemExit(f"{path}: defines no VARIANTS(model, inputs)")
+    return module.VARIANTS
+
+
+def load_variants(path: str, make, model, inputs: tuple) -> dict:
+    variants = make(model, inputs)
     if not variants or not all(callable(apply) for apply in variants.values()):
         raise SystemExit(f"{path}: VARIANTS(model, inputs) must return a non-empty dict of name -> apply()")
     return variants
@@ -95,6 +105,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="forwards per side per round")
     parser.add_argument("--variant", action="append", default=[], help="a file defining VARIANTS(model, inputs)")
     args = parser.parse_args()
+    makers = [(path, import_variants(path)) for path in args.variant]
 
     import torch
 
@@ -109,8 +120,8 @@ def main() -> None:
     inputs = capture_step(llm, chats, args.tokens, args.step)
 
     sides = {"base": lambda: None}
-    for path in args.variant:
-        for name, apply in load_variants(path, model, inputs).items():
+    for path, make in makers:
+        for name, apply in load_variants(path, make, model, inputs).items():
             if name in sides:
                 raise SystemExit(f"two variants are called {name!r}")
             sides[name] = apply
