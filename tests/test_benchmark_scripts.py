@@ -1,22 +1,21 @@
 """The benchmark scripts still run and end with their JSON line (figures are not asserted:
 speed is shown by the benchmarks themselves, in BENCHMARKS.md)."""
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from preloaded_python import run_python
 
 ROOT = Path(__file__).parent.parent
 
 
 def last_json_line(args):
-    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = run_python(args, ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_step_profile_script(tiny_model_dir):
-    done = subprocess.run([sys.executable, "benchmarks/step_profile.py", "--model", tiny_model_dir, "--tokens", "4",
-                           "--ops", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = run_python(["benchmarks/step_profile.py", "--model", tiny_model_dir, "--tokens", "4", "--ops", "3"], ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
     figures = json.loads(lines[-1])
@@ -70,10 +69,14 @@ def test_forward_ab_script(tiny_model_dir, tmp_path):
 def test_forward_ab_script_refuses_a_file_without_variants(tiny_model_dir, tmp_path):
     variant = tmp_path / "empty.py"
     variant.write_text("def VARIANTS(model, inputs):\n    return {}\n")
-    done = subprocess.run([sys.executable, "benchmarks/forward_ab.py", "--model", tiny_model_dir, "--tokens", "8",
-                           "--step", "5", "--variant", str(variant)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    done = run_python(["benchmarks/forward_ab.py", "--model", tiny_model_dir, "--tokens", "8", "--step", "5",
+                       "--variant", str(variant)], ROOT)
     assert done.returncode != 0 and "must return a non-empty dict" in done.stderr
+    # A file with no VARIANTS at all is refused before a model loads (this one does not exist).
+    (tmp_path / "none.py").write_text("VARIANT = {}\n")
+    done = run_python(["benchmarks/forward_ab.py", "--model", str(tmp_path / "no-model"), "--variant",
+                       str(tmp_path / "none.py")], ROOT)
+    assert done.returncode != 0 and "defines no VARIANTS(model, inputs)" in done.stderr, done.stderr[-2000:]
 
 
 def test_scheduler_overhead_script():

@@ -1,17 +1,16 @@
 """benchmarks/prefix_hash.py runs (small) and reports both hashes' figures in its JSON line."""
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from preloaded_python import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_prefix_hash_benchmark_reports_both_hashes(tiny_model_dir):
-    done = subprocess.run([sys.executable, "benchmarks/prefix_hash.py", "--model", tiny_model_dir, "--dtype", "float32",
-                           "--blocks", "200", "--prompt-tokens", "64", "--rounds", "1", "--num-gpu-blocks", "32",
-                           "--num-cpu-blocks", "8"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = run_python(["benchmarks/prefix_hash.py", "--model", tiny_model_dir, "--dtype", "float32", "--blocks", "200",
+                       "--prompt-tokens", "64", "--rounds", "1", "--num-gpu-blocks", "32", "--num-cpu-blocks", "8"],
+                      ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(figures["us_per_block"]) == set(figures["prefill_ms"]) == {"xxh3", "sha256"}
