@@ -7,7 +7,9 @@ build runs in a process group of its own that ends with it, on a timeout or with
 process."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import logging
 import os
 import signal
@@ -238,21 +240,26 @@ def test_a_hub_models_package_follows_its_revision(packages, tmp_path, monkeypat
 
 def run_forward_ab(model: str, dtype: str, monkeypatch, chats: int = 1) -> dict:
     """benchmarks/forward_ab.py with the compiled-step variant on one captured step of `model`
-    with `chats` chats: its figures for the compiled side (building the packages first when there
-    are none)."""
+    with `chats` chats: its figures for the compiled side (building the step first when there is
+    no package). The script runs in this process, which has torch and transformers imported
+    already: a fresh interpreter spent ~5 s of a core on them each time."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
+    import runpy
 
     root = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("MODEL", model)
-    done = subprocess.run([sys.executable, "benchmarks/forward_ab.py", "--model", model, "--dtype", dtype,
-                           "--chats", str(chats), "--tokens", "24", "--step", "12", "--rounds", "2", "--repeat", "1",
-                           "--variant", "benchmarks/variants/compiled_step.py"],
-                          cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    monkeypatch.setattr(sys, "argv", [str(root / "benchmarks" / "forward_ab.py"), "--model", model, "--dtype", dtype,
+                                      "--chats", str(chats), "--tokens", "14", "--step", "12", "--rounds", "2",
+                                      "--repeat", "1", "--variant",
+                                      str(root / "benchmarks" / "variants" / "compiled_step.py")])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script points sys.path[0] at the repository
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as stop:
+        pytest.fail(f"forward_ab.py stopped: {stop}")
+    figures = json.loads(printed.getvalue().strip().splitlines()[-1])
     assert figures["base_unchanged"]
     return figures["sides"]["compiled"]
 
