@@ -69,17 +69,42 @@ def slice_dir(smol_slice) -> str:
     return smol_slice[0]
 
 
+_preparing: list[CompiledDecode] = []  # compiled steps this module's engines build or load in the background
+
+
 @pytest.fixture(scope="module")
-def slice_compiled(packages, slice_dir):
-    """An fp32 engine on the default model's two-layer slice whose compiled steps were built by
-    the engine itself, in the background, and what it served eagerly meanwhile."""
+def slice_building(packages, slice_dir):
+    """An fp32 engine on the default model's two-layer slice, asked for compiled steps: what it
+    served eagerly while it began to build them in the background. The builds (one after the
+    other, each on one core) go on while the tests that need neither the steps nor anything
+    else of them run; the first test that needs the steps waits for them."""
     assert not package_path(slice_dir, torch.float32).exists()
     llm = LLM(slice_dir, dtype="float32", num_gpu_blocks=64, num_cpu_blocks=8, compile_decode=True)
     compiled = llm.engine.compiled
+    _preparing.append(compiled)
     served = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, **GREEDY))[0].outputs[0].token_ids
     not_ready_while_serving = not compiled.ready
-    assert compiled.wait(BUILD_TIMEOUT_S), compiled.error
     return llm, served, not_ready_while_serving
+
+
+@pytest.fixture(scope="module")
+def slice_compiled(slice_building):
+    """The fp32 engine on the slice once the compiled steps it built itself are ready."""
+    compiled = slice_building[0].engine.compiled
+    assert compiled.wait(BUILD_TIMEOUT_S), compiled.error
+    return slice_building
+
+
+def settle_builds() -> None:
+    """Before a test replaces what a build or a load reads (sys.executable, the packages folder,
+    the build timeout, the package loader): this module's background builds have ended."""
+    for compiled in _preparing:
+        compiled.wait(BUILD_TIMEOUT_S)
+
+
+@pytest.fixture
+def builds_settled() -> None:
+    settle_builds()
 
 
 def count_calls(monkeypatch, compiled: CompiledDecode, method: str = "decode") -> list:
@@ -94,14 +119,327 @@ def count_calls(monkeypatch, compiled: CompiledDecode, method: str = "decode") -
     return calls
 
 
-def test_the_engine_serves_eagerly_while_the_step_builds(slice_compiled, slice_dir):
-    llm, served, not_ready_while_serving = slice_compiled
+# ---- stand-in builds, for which packages load and how a build ends ---------------------------
+# These never compile: the interpreter that runs `python -m engine.worker.compiled_decode` is
+# replaced by a stand-in that takes the same arguments and fails, writes a package the way a build
+# installs one, or hangs with a worker process of its own, as the compiler's workers do.
+FAKE_BUILD = textwrap.dedent('''
+    import argparse, os, subprocess, sys, time
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser()
+    for name in ("--out", "--kind", "--scratch", "--dtype", "--model", "--parent"):
+        parser.add_argument(name)
+    args, _ = parser.parse_known_args()
+    out = Path(args.out)
+    with open(os.environ["FAKE_BUILD_LOG"], "a") as log:
+        log.write(args.kind + "\\n")
+    mode = os.environ["FAKE_BUILD_MODE"]
+    staging = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if mode == "fail":
+        sys.exit("fake build: no compiler here")
+    if mode == "rebuild":
+        from engine.worker.package_trust import install
+        staging.write_bytes(b"rebuilt " + args.kind.encode())
+        install(staging, out)
+        sys.exit(0)
+    if args.scratch:  # "hang": scratch files, half a package, a worker, and no end
+        (Path(args.scratch) / "inductor-cache").write_bytes(bytes(1000))
+    staging.write_bytes(b"half a package")
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    pids = Path(os.environ["FAKE_BUILD_PIDS"]) / args.kind
+    pids.with_suffix(".tmp").write_text(f"{os.getpid()} {os.getpgrp()} {worker.pid} {args.scratch}")
+    pids.with_suffix(".tmp").replace(pids)
+    time.sleep(600)
+''')
+
+
+class FakeBuilds:
+    """Stand-in builds under `root`: a packages folder of their own, whose builds run FAKE_BUILD in
+    `mode` ("fail" unless set), for this process (`use_here`) or a process started with `env`.
+    `.starts()` lists the kinds a build was started for, `.pids(kind)` what a hanging one left
+    (its pid, its process group, its worker's pid, its scratch folder)."""
+
+    def __init__(self, root: Path) -> None:
+        script, self.python = root / "fake_build.py", root / "fake_python"
+        script.write_text(FAKE_BUILD)
+        self.python.write_text(f'#!/bin/sh\nexec "{PYTHON}" "{script}" "$@"\n')
+        self.python.chmod(0o755)
+        self.folder, self.log, self.pids_dir = root / "compiled", root / "builds.log", root / "pids"
+        self.pids_dir.mkdir()
+        self.env = {"PAGEDCHAT_COMPILED_DIR": str(self.folder), "FAKE_BUILD_LOG": str(self.log),
+                    "FAKE_BUILD_PIDS": str(self.pids_dir), "FAKE_BUILD_MODE": "fail"}
+        self._here: pytest.MonkeyPatch | None = None
+
+    def use_here(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """This process's builds are these stand-ins (only once no build of its own is running)."""
+        self._here = monkeypatch
+        monkeypatch.setattr(sys, "executable", str(self.python))
+        for name, value in self.env.items():
+            monkeypatch.setenv(name, value)
+
+    def mode(self, mode: str) -> None:
+        self.env["FAKE_BUILD_MODE"] = mode
+        if self._here is not None:
+            self._here.setenv("FAKE_BUILD_MODE", mode)
+
+    def starts(self) -> list[str]:
+        return self.log.read_text().split() if self.log.exists() else []
+
+    def pids(self, kind: str) -> tuple[int, int, int, str]:
+        pid, pgrp, worker, scratch = (self.pids_dir / kind).read_text().split()
+        return int(pid), int(pgrp), int(worker), scratch
+
+    def end_leftovers(self) -> None:
+        """A test that failed may leave a hanging build behind."""
+        for kind in compiled_decode.KINDS:
+            if (self.pids_dir / kind).exists():
+                pid, _, worker, _ = self.pids(kind)
+                for process in (pid, worker):
+                    if alive(process):
+                        os.kill(process, signal.SIGKILL)
+
+
+@pytest.fixture
+def fake_kit(tmp_path):
+    """Stand-in builds for processes this test starts; this process's own builds are untouched."""
+    fake = FakeBuilds(tmp_path)
+    yield fake
+    fake.end_leftovers()
+
+
+@pytest.fixture
+def fake_builds(builds_settled, fake_kit, monkeypatch):
+    """Stand-in builds for this process's engines."""
+    fake_kit.use_here(monkeypatch)
+    return fake_kit
+
+
+def spy_loads(monkeypatch) -> list[tuple[Path, bytes]]:
+    """Every package `aoti_load_package` is asked to load, with its bytes then: (path, bytes).
+    Nothing is loaded (it raises, so the engine goes on eagerly)."""
+    seen = []
+
+    def spy(path, *args, **kwargs):
+        seen.append((Path(path), Path(path).read_bytes()))
+        raise RuntimeError("the test's stand-in loads nothing")
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", spy)
+    return seen
+
+
+@pytest.fixture
+def loads(builds_settled, monkeypatch):
+    return spy_loads(monkeypatch)
+
+
+def plant(folder: Path, model: str, content: bytes, digest_of: bytes | None = None) -> list[Path]:
+    """Packages at both kinds' paths, with a digest record of `digest_of` when given."""
+    paths = [package_path(model, torch.float32, kind) for kind in compiled_decode.KINDS]
+    for path in paths:
+        assert path.parent == folder
+        path.write_bytes(content)
+        if digest_of is not None:
+            path.with_name(path.name + ".sha256").write_text(sha256_record(digest_of, path.name))
+    return paths
+
+
+def serve_eagerly(model: str) -> LLM:
+    """An engine asked for compiled steps that answers (eagerly) while they are prepared, and
+    whose preparing has settled without a step becoming ready."""
+    llm = LLM(model, dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, compile_decode=True)
+    output = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, **GREEDY))[0].outputs[0]
+    assert len(output.token_ids) == 4 and output.finish_reason == "length"
+    assert not llm.engine.compiled.wait(120)
+    assert llm.engine.compiled.settled and not llm.engine.compiled.ready and not llm.engine.compiled.batch_ready
+    return llm
+
+
+def sha256_record(data: bytes, name: str) -> str:
+    """A digest file's text, as `sha256sum` writes it."""
+    return f"{hashlib.sha256(data).hexdigest()}  {name}\n"
+
+
+DRIVER = textwrap.dedent('''
+    import os
+    import sys
+    from engine import LLM, SamplingParams
+    from processes import wait_until
+
+    model, python, started = sys.argv[1:4]
+    if python != "-":
+        sys.executable = python
+    llm = LLM(model, dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, compile_decode=True)
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))
+    if started != "-":
+        assert wait_until(lambda: os.path.exists(started), 120), "no build started"
+    if sys.argv[4] == "stay":
+        sys.stdin.read()  # until the test kills us
+''')
+
+
+def run_driver(tmp_path, model: str, env: dict[str, str], python: str, started: Path | None,
+               stay: bool) -> subprocess.Popen:
+    """An engine process with `env` added to its environment that starts its compiled steps'
+    build (run by `python`, "-" for the real one), waits until `started` exists, then exits or
+    stays until killed."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, **env, "PYTHONPATH": f"{tests.parent}:{tests}"}
+    return subprocess.Popen([PYTHON, str(script), model, python, str(started or "-"), "stay" if stay else "exit"],
+                            cwd=tests.parent, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_the_engine_serves_eagerly_while_the_step_builds(slice_building, slice_dir):
+    llm, served, not_ready_while_serving = slice_building
     assert not_ready_while_serving and len(served) == 4
-    for kind in compiled_decode.KINDS:  # each with the digest its build recorded
-        assert package_trust.digest_problem(package_path(slice_dir, torch.float32, kind)) is None
     eager = LLM(slice_dir, dtype="float32", num_gpu_blocks=64, compile_decode=False)
     assert eager.engine.compiled is None
     assert eager.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, **GREEDY))[0].outputs[0].token_ids == served
+
+
+# ---- while the slice's steps build: tests that need none of them and replace nothing its -----
+# ---- builds and loads read (their subprocesses have a core to themselves meanwhile) ----------
+
+
+def run_forward_ab(model: str, dtype: str, monkeypatch, chats: int = 1) -> dict:
+    """benchmarks/forward_ab.py with the compiled-step variant on one captured step of `model`
+    with `chats` chats: its figures for the compiled side (building the step first when there is
+    no package). The script runs in this process, which has torch and transformers imported
+    already: a fresh interpreter spent ~5 s of a core on them each time."""
+    import json
+    import runpy
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("MODEL", model)
+    monkeypatch.setattr(sys, "argv", [str(root / "benchmarks" / "forward_ab.py"), "--model", model, "--dtype", dtype,
+                                      "--chats", str(chats), "--tokens", "14", "--step", "12", "--rounds", "2",
+                                      "--repeat", "1", "--variant",
+                                      str(root / "benchmarks" / "variants" / "compiled_step.py")])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script points sys.path[0] at the repository
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as stop:
+        pytest.fail(f"forward_ab.py stopped: {stop}")
+    figures = json.loads(printed.getvalue().strip().splitlines()[-1])
+    assert figures["base_unchanged"]
+    return figures["sides"]["compiled"]
+
+
+def test_bf16_step_matches_eager(packages, tiny_model_dir, monkeypatch):
+    """bf16: the compiled lone step (its weight matmuls loops of its own over `MatVec` blocks,
+    summed in fp32) gives the eager forward's greedy token and its logits up to bf16 rounding on
+    a captured step."""
+    compiled = run_forward_ab(tiny_model_dir, "bfloat16", monkeypatch)
+    assert package_path(tiny_model_dir, torch.bfloat16, "lone").exists()
+    assert not package_path(tiny_model_dir, torch.bfloat16, "batch").exists()  # a lone step's A/B builds no batch step
+    # bf16 keeps 8 significant bits: this model's logits (tens) round to steps of 0.125 or 0.25.
+    assert compiled["same_greedy"] and compiled["max_abs_diff"] <= 0.5
+
+
+def test_the_build_records_the_digest_of_what_it_wrote(tiny_model_dir, tmp_path, monkeypatch):
+    """`build` (its compiling replaced) installs the package with a record of its sha256 beside it."""
+    def compile_and_package(program, package_path, inductor_configs):
+        Path(package_path).write_bytes(b"compiled " + str(sorted(inductor_configs)).encode())
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_and_package)
+    out = compiled_decode.build(tiny_model_dir, torch.float32, tmp_path / "decode-tiny.pt2")
+    assert out.read_bytes().startswith(b"compiled ")
+    assert (tmp_path / "decode-tiny.pt2.sha256").read_text() == sha256_record(out.read_bytes(), out.name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-tiny.pt2", "decode-tiny.pt2.sha256"]
+
+
+def test_packages_are_keyed_by_model_and_dtype(packages, tiny_model_dir, deep_model_dir):
+    paths = {package_path(m, d) for m in (tiny_model_dir, deep_model_dir) for d in (torch.float32, torch.bfloat16)}
+    assert len(paths) == 4 and all(p.suffix == ".pt2" for p in paths)
+    assert package_path(tiny_model_dir, torch.float32) == package_path(tiny_model_dir, torch.float32)
+
+
+def test_a_hub_models_package_follows_its_revision(packages, tmp_path, monkeypatch):
+    """A hub id is keyed by the snapshot the engine loaded (huggingface_hub's cache): a new
+    revision of the model is a new package, not the old one's weights."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--someone--tiny-chat"
+    for revision, width in (("a" * 40, 64), ("b" * 40, 128)):
+        (repo / "snapshots" / revision).mkdir(parents=True)
+        (repo / "snapshots" / revision / "config.json").write_text(f'{{"hidden_size": {width}}}')
+    (repo / "refs").mkdir()
+    paths = []
+    for revision in ("a" * 40, "b" * 40):
+        (repo / "refs" / "main").write_text(revision)
+        paths.append(package_path("someone/tiny-chat", torch.float32))
+    assert paths[0] != paths[1] and all(p.name.startswith("decode-tiny-chat-float32-") for p in paths)
+
+
+@pytest.mark.parametrize("rows, bias", [(64, False), (70, True), (5, True)])
+def test_matvec_blocks_multiply_like_linear(rows, bias):
+    """`MatVec` keeps a weight in blocks of one cache line of output features (16 in fp32),
+    padding the last block: one row times it is `linear`'s result, whatever the row count."""
+    from engine.worker.models.decode_step import MatVec
+
+    torch.manual_seed(0)
+    weight, b = torch.randn(rows, 48), torch.randn(rows) if bias else None
+    x = torch.randn(1, 48)
+    layer = MatVec(weight, b)
+    assert layer.blocks.shape == (-(-rows // 16), 48, 16)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_build_ends_when_the_engine_process_exits(fake_kit, tiny_model_dir, tmp_path):
+    fake_kit.mode("hang")
+    driver = run_driver(tmp_path, tiny_model_dir, fake_kit.env, str(fake_kit.python), fake_kit.pids_dir / "lone",
+                        stay=False)
+    _, err = driver.communicate(timeout=300)
+    assert driver.returncode == 0, err[-3000:]
+    pid, pgrp, worker, scratch = fake_kit.pids("lone")
+    assert wait_until(lambda: not alive(pid) and not alive(worker)), "the build outlived the engine's process"
+    assert pgrp == pid and wait_until(lambda: not group_members(pgrp))
+    assert not Path(scratch).exists() and list(fake_kit.folder.iterdir()) == []
+
+
+def test_a_build_ends_when_the_engine_process_is_killed(fake_kit, tiny_model_dir, tmp_path, monkeypatch):
+    """The real build (`python -m engine.worker.compiled_decode`) watches the process that
+    started it: killed, that process can clean nothing up, so the build ends its own group, and
+    the next engine to prepare steps in the folder removes the scratch folder it left."""
+    folder = fake_kit.folder
+
+    def builds() -> list[int]:
+        return processes_naming("engine.worker.compiled_decode", str(folder))
+
+    driver = run_driver(tmp_path, tiny_model_dir, fake_kit.env, "-", None, stay=True)
+    try:
+        assert wait_until(builds, 300), driver.stderr.read() if driver.poll() is not None else "no build started"
+        driver.kill()
+        driver.wait(timeout=30)
+        assert wait_until(lambda: not builds()), "the build outlived the engine's killed process"
+        assert list(folder.iterdir())  # what it left: its scratch folder at least
+        # Up to here nothing of this process was replaced: the test runs while the slice's steps
+        # build. What follows replaces what its builds and loads read.
+        settle_builds()
+        fake_kit.use_here(monkeypatch)
+        loads = spy_loads(monkeypatch)
+        serve_eagerly(tiny_model_dir)  # the stand-in build fails: nothing loads, leftovers are swept
+        assert fake_kit.starts() == ["lone", "batch"] and loads == []
+        assert list(folder.iterdir()) == []
+    finally:
+        driver.kill()
+        for pid in builds():
+            os.kill(pid, signal.SIGKILL)
+
+
+# ---- the slice's compiled steps ---------------------------------------------------------------
+
+
+def test_the_engine_built_each_step_with_its_digest_recorded(slice_compiled, slice_dir):
+    for kind in compiled_decode.KINDS:
+        assert package_trust.digest_problem(package_path(slice_dir, torch.float32, kind)) is None
 
 
 def test_lone_chats_decode_the_eager_tokens(slice_compiled, slice_dir, tokenizer, monkeypatch):
@@ -177,27 +515,6 @@ def test_a_sequence_whose_blocks_moved_is_gathered_afresh(slice_compiled):
     assert compiled._buffer is None
 
 
-def test_a_failed_build_leaves_the_engine_eager(packages, tiny_model_dir, deep_model_dir, monkeypatch):
-    llm = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=16, compile_decode=False)
-    # No fp16 build exists. One kind's failure is enough here (each costs a build process's
-    # imports); that the next kind is still tried after one fails, the planted-package test shows.
-    broken = CompiledDecode(tiny_model_dir, torch.float16, llm.engine.model, ("lone",)).start()
-    assert not broken.wait(BUILD_TIMEOUT_S)
-    assert "exited with 2" in broken.error and "float16" in broken.error
-    monkeypatch.setattr(compiled_decode, "BUILD_TIMEOUT_S", 0.5)  # a build that hangs is stopped
-    slow = CompiledDecode(deep_model_dir, torch.float32, llm.engine.model)
-    assert not slow.wait(60) and "took over 0.5 s" in slow.error
-    assert not package_path(deep_model_dir, torch.float32).exists()
-    assert compiled_decode.supported(torch.device("cpu"), torch.float16) is not None
-    assert compiled_decode.supported(torch.device("meta"), torch.float32) is not None
-
-
-def test_packages_are_keyed_by_model_and_dtype(packages, tiny_model_dir, deep_model_dir):
-    paths = {package_path(m, d) for m in (tiny_model_dir, deep_model_dir) for d in (torch.float32, torch.bfloat16)}
-    assert len(paths) == 4 and all(p.suffix == ".pt2" for p in paths)
-    assert package_path(tiny_model_dir, torch.float32) == package_path(tiny_model_dir, torch.float32)
-
-
 def test_real_weights_compiled_greedy_equals_transformers(slice_compiled, smol_slice, monkeypatch):
     """The default model's own weights and shapes in fp32 (a two-layer slice of it: the compiled
     steps are the same code for every depth): lone decode steps through the compiled lone-chat
@@ -220,50 +537,6 @@ def test_real_weights_compiled_greedy_equals_transformers(slice_compiled, smol_s
     assert len(batch_calls) == 23
 
 
-def test_a_hub_models_package_follows_its_revision(packages, tmp_path, monkeypatch):
-    """A hub id is keyed by the snapshot the engine loaded (huggingface_hub's cache): a new
-    revision of the model is a new package, not the old one's weights."""
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    repo = tmp_path / "models--someone--tiny-chat"
-    for revision, width in (("a" * 40, 64), ("b" * 40, 128)):
-        (repo / "snapshots" / revision).mkdir(parents=True)
-        (repo / "snapshots" / revision / "config.json").write_text(f'{{"hidden_size": {width}}}')
-    (repo / "refs").mkdir()
-    paths = []
-    for revision in ("a" * 40, "b" * 40):
-        (repo / "refs" / "main").write_text(revision)
-        paths.append(package_path("someone/tiny-chat", torch.float32))
-    assert paths[0] != paths[1] and all(p.name.startswith("decode-tiny-chat-float32-") for p in paths)
-
-
-def run_forward_ab(model: str, dtype: str, monkeypatch, chats: int = 1) -> dict:
-    """benchmarks/forward_ab.py with the compiled-step variant on one captured step of `model`
-    with `chats` chats: its figures for the compiled side (building the step first when there is
-    no package). The script runs in this process, which has torch and transformers imported
-    already: a fresh interpreter spent ~5 s of a core on them each time."""
-    import json
-    import runpy
-
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.setenv("MODEL", model)
-    monkeypatch.setattr(sys, "argv", [str(root / "benchmarks" / "forward_ab.py"), "--model", model, "--dtype", dtype,
-                                      "--chats", str(chats), "--tokens", "14", "--step", "12", "--rounds", "2",
-                                      "--repeat", "1", "--variant",
-                                      str(root / "benchmarks" / "variants" / "compiled_step.py")])
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the script points sys.path[0] at the repository
-    printed = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(printed):
-            runpy.run_path(sys.argv[0], run_name="__main__")
-    except SystemExit as stop:
-        pytest.fail(f"forward_ab.py stopped: {stop}")
-    figures = json.loads(printed.getvalue().strip().splitlines()[-1])
-    assert figures["base_unchanged"]
-    return figures["sides"]["compiled"]
-
-
 def test_forward_ab_variant_runs_the_compiled_step(slice_compiled, slice_dir, monkeypatch):
     """benchmarks/variants/compiled_step.py times the compiled step against the eager forward on
     one captured step, a lone chat's and a batch's: their logits match the eager forward's (fp32),
@@ -273,139 +546,22 @@ def test_forward_ab_variant_runs_the_compiled_step(slice_compiled, slice_dir, mo
         assert compiled["same_greedy"] and compiled["max_abs_diff"] < 1e-4
 
 
-def test_bf16_step_matches_eager(packages, tiny_model_dir, monkeypatch):
-    """bf16: the compiled lone step (its weight matmuls loops of its own over `MatVec` blocks,
-    summed in fp32) gives the eager forward's greedy token and its logits up to bf16 rounding on
-    a captured step."""
-    compiled = run_forward_ab(tiny_model_dir, "bfloat16", monkeypatch)
-    assert package_path(tiny_model_dir, torch.bfloat16, "lone").exists()
-    assert not package_path(tiny_model_dir, torch.bfloat16, "batch").exists()  # a lone step's A/B builds no batch step
-    # bf16 keeps 8 significant bits: this model's logits (tens) round to steps of 0.125 or 0.25.
-    assert compiled["same_greedy"] and compiled["max_abs_diff"] <= 0.5
+# ---- once the slice's builds have ended: tests that replace what a build reads ---------------
 
 
-@pytest.mark.parametrize("rows, bias", [(64, False), (70, True), (5, True)])
-def test_matvec_blocks_multiply_like_linear(rows, bias):
-    """`MatVec` keeps a weight in blocks of one cache line of output features (16 in fp32),
-    padding the last block: one row times it is `linear`'s result, whatever the row count."""
-    from engine.worker.models.decode_step import MatVec
-
-    torch.manual_seed(0)
-    weight, b = torch.randn(rows, 48), torch.randn(rows) if bias else None
-    x = torch.randn(1, 48)
-    layer = MatVec(weight, b)
-    assert layer.blocks.shape == (-(-rows // 16), 48, 16)
-    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
-
-
-# ---- which packages load, and how a build ends ----------------------------------------------
-# These never compile: the interpreter that runs `python -m engine.worker.compiled_decode` is
-# replaced by a stand-in that takes the same arguments and fails, writes a package the way a build
-# installs one, or hangs with a worker process of its own, as the compiler's workers do.
-FAKE_BUILD = textwrap.dedent('''
-    import argparse, os, subprocess, sys, time
-    from pathlib import Path
-
-    parser = argparse.ArgumentParser()
-    for name in ("--out", "--kind", "--scratch", "--dtype", "--model", "--parent"):
-        parser.add_argument(name)
-    args, _ = parser.parse_known_args()
-    out = Path(args.out)
-    with open(os.environ["FAKE_BUILD_LOG"], "a") as log:
-        log.write(args.kind + "\\n")
-    mode = os.environ["FAKE_BUILD_MODE"]
-    staging = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if mode == "fail":
-        sys.exit("fake build: no compiler here")
-    if mode == "rebuild":
-        from engine.worker.package_trust import install
-        staging.write_bytes(b"rebuilt " + args.kind.encode())
-        install(staging, out)
-        sys.exit(0)
-    if args.scratch:  # "hang": scratch files, half a package, a worker, and no end
-        (Path(args.scratch) / "inductor-cache").write_bytes(bytes(1000))
-    staging.write_bytes(b"half a package")
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    pids = Path(os.environ["FAKE_BUILD_PIDS"]) / args.kind
-    pids.with_suffix(".tmp").write_text(f"{os.getpid()} {os.getpgrp()} {worker.pid} {args.scratch}")
-    pids.with_suffix(".tmp").replace(pids)
-    time.sleep(600)
-''')
-
-
-@pytest.fixture
-def fake_builds(tmp_path, monkeypatch):
-    """A packages folder of the test's own, whose builds run FAKE_BUILD in `mode` ("fail" unless
-    set): `.starts()` lists the kinds a build was started for, `.pids(kind)` what a hanging one
-    left (its pid, its process group, its worker's pid, its scratch folder)."""
-    script, python = tmp_path / "fake_build.py", tmp_path / "fake_python"
-    script.write_text(FAKE_BUILD)
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
-    python.chmod(0o755)
-    folder, log, pids = tmp_path / "compiled", tmp_path / "builds.log", tmp_path / "pids"
-    pids.mkdir()
-    monkeypatch.setattr(sys, "executable", str(python))
-    monkeypatch.setenv("PAGEDCHAT_COMPILED_DIR", str(folder))
-    monkeypatch.setenv("FAKE_BUILD_LOG", str(log))
-    monkeypatch.setenv("FAKE_BUILD_PIDS", str(pids))
-    monkeypatch.setenv("FAKE_BUILD_MODE", "fail")
-
-    def read_pids(kind: str):
-        pid, pgrp, worker, scratch = (pids / kind).read_text().split()
-        return int(pid), int(pgrp), int(worker), scratch
-
-    fake = SimpleNamespace(folder=folder, python=python, pids_dir=pids, pids=read_pids,
-                           starts=lambda: log.read_text().split() if log.exists() else [],
-                           mode=lambda mode: monkeypatch.setenv("FAKE_BUILD_MODE", mode))
-    yield fake
-    for kind in compiled_decode.KINDS:  # a test that failed may leave a hanging build behind
-        if (pids / kind).exists():
-            pid, _, worker, _ = read_pids(kind)
-            for process in (pid, worker):
-                if alive(process):
-                    os.kill(process, signal.SIGKILL)
-
-
-@pytest.fixture
-def loads(monkeypatch):
-    """Every package `aoti_load_package` is asked to load, with its bytes then: (path, bytes).
-    Nothing is loaded (it raises, so the engine goes on eagerly)."""
-    seen = []
-
-    def spy(path, *args, **kwargs):
-        seen.append((Path(path), Path(path).read_bytes()))
-        raise RuntimeError("the test's stand-in loads nothing")
-
-    monkeypatch.setattr(torch._inductor, "aoti_load_package", spy)
-    return seen
-
-
-def sha256_record(data: bytes, name: str) -> str:
-    """A digest file's text, as `sha256sum` writes it."""
-    return f"{hashlib.sha256(data).hexdigest()}  {name}\n"
-
-
-def plant(folder: Path, model: str, content: bytes, digest_of: bytes | None = None) -> list[Path]:
-    """Packages at both kinds' paths, with a digest record of `digest_of` when given."""
-    paths = [package_path(model, torch.float32, kind) for kind in compiled_decode.KINDS]
-    for path in paths:
-        assert path.parent == folder
-        path.write_bytes(content)
-        if digest_of is not None:
-            path.with_name(path.name + ".sha256").write_text(sha256_record(digest_of, path.name))
-    return paths
-
-
-def serve_eagerly(model: str) -> LLM:
-    """An engine asked for compiled steps that answers (eagerly) while they are prepared, and
-    whose preparing has settled without a step becoming ready."""
-    llm = LLM(model, dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, compile_decode=True)
-    output = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, **GREEDY))[0].outputs[0]
-    assert len(output.token_ids) == 4 and output.finish_reason == "length"
-    assert not llm.engine.compiled.wait(120)
-    assert llm.engine.compiled.settled and not llm.engine.compiled.ready and not llm.engine.compiled.batch_ready
-    return llm
+def test_a_failed_build_leaves_the_engine_eager(builds_settled, packages, tiny_model_dir, deep_model_dir, monkeypatch):
+    llm = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=16, compile_decode=False)
+    # No fp16 build exists. One kind's failure is enough here (each costs a build process's
+    # imports); that the next kind is still tried after one fails, the planted-package test shows.
+    broken = CompiledDecode(tiny_model_dir, torch.float16, llm.engine.model, ("lone",)).start()
+    assert not broken.wait(BUILD_TIMEOUT_S)
+    assert "exited with 2" in broken.error and "float16" in broken.error
+    monkeypatch.setattr(compiled_decode, "BUILD_TIMEOUT_S", 0.5)  # a build that hangs is stopped
+    slow = CompiledDecode(deep_model_dir, torch.float32, llm.engine.model)
+    assert not slow.wait(60) and "took over 0.5 s" in slow.error
+    assert not package_path(deep_model_dir, torch.float32).exists()
+    assert compiled_decode.supported(torch.device("cpu"), torch.float16) is not None
+    assert compiled_decode.supported(torch.device("meta"), torch.float32) is not None
 
 
 def test_a_package_planted_in_the_folder_is_never_loaded(fake_builds, loads, tiny_model_dir, caplog):
@@ -466,18 +622,6 @@ def test_packages_in_a_folder_others_can_write_are_neither_loaded_nor_built(fake
     assert any(str(fake_builds.folder) in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
-def test_the_build_records_the_digest_of_what_it_wrote(tiny_model_dir, tmp_path, monkeypatch):
-    """`build` (its compiling replaced) installs the package with a record of its sha256 beside it."""
-    def compile_and_package(program, package_path, inductor_configs):
-        Path(package_path).write_bytes(b"compiled " + str(sorted(inductor_configs)).encode())
-
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_and_package)
-    out = compiled_decode.build(tiny_model_dir, torch.float32, tmp_path / "decode-tiny.pt2")
-    assert out.read_bytes().startswith(b"compiled ")
-    assert (tmp_path / "decode-tiny.pt2.sha256").read_text() == sha256_record(out.read_bytes(), out.name)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-tiny.pt2", "decode-tiny.pt2.sha256"]
-
-
 def test_a_hung_build_is_stopped_with_its_whole_process_group(fake_builds, loads, tiny_model_dir, monkeypatch):
     """On its timeout a build is ended with every process it started (the compiler's workers),
     and what it left (half a package, its scratch folder) is removed."""
@@ -492,69 +636,3 @@ def test_a_hung_build_is_stopped_with_its_whole_process_group(fake_builds, loads
         assert wait_until(lambda: not group_members(pgrp))
         assert not Path(scratch).exists()
     assert list(fake_builds.folder.iterdir()) == [] and loads == []
-
-
-DRIVER = textwrap.dedent('''
-    import os
-    import sys
-    from engine import LLM, SamplingParams
-    from processes import wait_until
-
-    model, python, started = sys.argv[1:4]
-    if python != "-":
-        sys.executable = python
-    llm = LLM(model, dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, compile_decode=True)
-    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))
-    if started != "-":
-        assert wait_until(lambda: os.path.exists(started), 120), "no build started"
-    if sys.argv[4] == "stay":
-        sys.stdin.read()  # until the test kills us
-''')
-
-
-def run_driver(tmp_path, model: str, python: str, started: Path | None, stay: bool) -> subprocess.Popen:
-    """An engine process that starts its compiled steps' build (run by `python`, "-" for the real
-    one), waits until `started` exists, then exits or stays until killed."""
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
-    tests = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": f"{tests.parent}:{tests}"}
-    return subprocess.Popen([PYTHON, str(script), model, python, str(started or "-"), "stay" if stay else "exit"],
-                            cwd=tests.parent, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def test_a_build_ends_when_the_engine_process_exits(fake_builds, tiny_model_dir, tmp_path):
-    fake_builds.mode("hang")
-    driver = run_driver(tmp_path, tiny_model_dir, str(fake_builds.python), fake_builds.pids_dir / "lone", stay=False)
-    _, err = driver.communicate(timeout=300)
-    assert driver.returncode == 0, err[-3000:]
-    pid, pgrp, worker, scratch = fake_builds.pids("lone")
-    assert wait_until(lambda: not alive(pid) and not alive(worker)), "the build outlived the engine's process"
-    assert pgrp == pid and wait_until(lambda: not group_members(pgrp))
-    assert not Path(scratch).exists() and list(fake_builds.folder.iterdir()) == []
-
-
-def test_a_build_ends_when_the_engine_process_is_killed(fake_builds, loads, tiny_model_dir, tmp_path):
-    """The real build (`python -m engine.worker.compiled_decode`) watches the process that
-    started it: killed, that process can clean nothing up, so the build ends its own group, and
-    the next engine to prepare steps in the folder removes the scratch folder it left."""
-    folder = fake_builds.folder
-
-    def builds() -> list[int]:
-        return processes_naming("engine.worker.compiled_decode", str(folder))
-
-    driver = run_driver(tmp_path, tiny_model_dir, "-", None, stay=True)
-    try:
-        assert wait_until(builds, 300), driver.stderr.read() if driver.poll() is not None else "no build started"
-        driver.kill()
-        driver.wait(timeout=30)
-        assert wait_until(lambda: not builds()), "the build outlived the engine's killed process"
-        assert list(folder.iterdir())  # what it left: its scratch folder at least
-        serve_eagerly(tiny_model_dir)  # the stand-in build fails: nothing loads, leftovers are swept
-        assert fake_builds.starts() == ["lone", "batch"] and loads == []
-        assert list(folder.iterdir()) == []
-    finally:
-        driver.kill()
-        for pid in builds():
-            os.kill(pid, signal.SIGKILL)
