@@ -484,6 +484,27 @@ def test_decode_batches_decode_the_eager_tokens(slice_compiled, slice_dir, token
     assert len(batch_calls) >= 2 * 20 and {len(tokens) for tokens in batch_calls} >= {2, 3, 4}
 
 
+def test_real_weights_compiled_greedy_equals_transformers(slice_compiled, smol_slice, monkeypatch):
+    """The default model's own weights and shapes in fp32 (a two-layer slice of it: the compiled
+    steps are the same code for every depth): lone decode steps through the compiled lone-chat
+    graph, then the same chats together, their steps through the compiled batch graph, each
+    token transformers' greedy token."""
+    llm, hf = slice_compiled[0], smol_slice[1]
+    calls = count_calls(monkeypatch, llm.engine.compiled)
+    batch_calls = count_calls(monkeypatch, llm.engine.compiled, "decode_batch")
+    chats = ([{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}])
+    prompts = [llm.engine.encode(llm.engine.apply_chat_template(chat)) for chat in chats]
+    expected = [hf_greedy(hf, ids, 24) for ids in prompts]
+    for ids, tokens in zip(prompts, expected):
+        assert llm.generate([ids], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0].token_ids == tokens
+    assert len(calls) == 2 * 23 and not batch_calls
+    together = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
+    assert [o.outputs[0].token_ids for o in together] == expected
+    assert len(batch_calls) == 23
+
+
+# The last test on the fixture's engine: it fills blocks of its cache with random K/V.
 def test_a_sequence_whose_blocks_moved_is_gathered_afresh(slice_compiled):
     """The step keeps one sequence's K/V between calls only while the sequence goes on in the
     same blocks: the same context in other blocks (a swap, a copy) is read from them again, and
@@ -513,28 +534,6 @@ def test_a_sequence_whose_blocks_moved_is_gathered_afresh(slice_compiled):
     assert compiled._buffer is not kept and torch.equal(moved, first)
     runner.execute(SchedulerOutput(blocks_to_copy=[(63, 63)]))  # any block move forgets it
     assert compiled._buffer is None
-
-
-def test_real_weights_compiled_greedy_equals_transformers(slice_compiled, smol_slice, monkeypatch):
-    """The default model's own weights and shapes in fp32 (a two-layer slice of it: the compiled
-    steps are the same code for every depth): lone decode steps through the compiled lone-chat
-    graph, then the same chats together, their steps through the compiled batch graph, each
-    token transformers' greedy token."""
-    folder, hf = smol_slice
-    llm = LLM(folder, dtype="float32", num_gpu_blocks=128, num_cpu_blocks=0, compile_decode=True)
-    assert llm.engine.compiled.wait(BUILD_TIMEOUT_S), llm.engine.compiled.error
-    calls = count_calls(monkeypatch, llm.engine.compiled)
-    batch_calls = count_calls(monkeypatch, llm.engine.compiled, "decode_batch")
-    chats = ([{"role": "user", "content": "What is the capital of France?"}],
-             [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}])
-    prompts = [llm.engine.encode(llm.engine.apply_chat_template(chat)) for chat in chats]
-    expected = [hf_greedy(hf, ids, 24) for ids in prompts]
-    for ids, tokens in zip(prompts, expected):
-        assert llm.generate([ids], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0].token_ids == tokens
-    assert len(calls) == 2 * 23 and not batch_calls
-    together = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
-    assert [o.outputs[0].token_ids for o in together] == expected
-    assert len(batch_calls) == 23
 
 
 def test_forward_ab_variant_runs_the_compiled_step(slice_compiled, slice_dir, monkeypatch):
