@@ -3,8 +3,13 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
+
+import pytest
 
 from processes import group_members, processes_naming
+
+MAX_TOKENS = 80
 
 
 def run_cli(args, stdin=""):
@@ -12,11 +17,40 @@ def run_cli(args, stdin=""):
                           timeout=120)
 
 
-def test_one_prompt_streams_a_reply_and_a_status_line(tiny_model_dir):
-    done = run_cli(["Hello there", "--model", tiny_model_dir, "--max-tokens", "6", "--temperature", "0"])
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip()
-    assert "[6 tokens" in done.stderr and "finish: length" in done.stderr
+@dataclass
+class OneShot:
+    returncode: int
+    stdout: str
+    stderr: str
+    leftover_builds: list[int]  # compiled-decode builds alive once the command has exited
+    leftover_group: list[int]   # anything else of its process group still alive
+    folder_entries: list[str]   # what it left in the compiled-package folder
+
+
+@pytest.fixture(scope="module")
+def one_shot(deep_model_dir, tmp_path_factory) -> OneShot:
+    """One `python -m engine "prompt"` serves both one-prompt tests (a start of the command costs
+    ~10 s of CPU): on the 48-layer model, with compiled steps on, so that the reply lasts long
+    enough for a wrongly started build to show."""
+    folder = tmp_path_factory.mktemp("cli") / "compiled"
+    env = {**os.environ, "PAGEDCHAT_COMPILE": "1", "PAGEDCHAT_COMPILED_DIR": str(folder)}
+    command = [sys.executable, "-m", "engine", "Tell me a long story about a paged cache.", "--model", deep_model_dir,
+               "--max-tokens", str(MAX_TOKENS), "--temperature", "0"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # whatever it starts stays in its group
+    try:
+        out, err = process.communicate(timeout=300)
+        return OneShot(process.returncode, out, err, processes_naming("engine.worker.compiled_decode", str(folder)),
+                       group_members(process.pid), sorted(os.listdir(folder)) if folder.exists() else [])
+    finally:
+        for pid in group_members(process.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_one_prompt_streams_a_reply_and_a_status_line(one_shot):
+    assert one_shot.returncode == 0, one_shot.stderr[-2000:]
+    assert one_shot.stdout.strip()
+    assert f"[{MAX_TOKENS} tokens" in one_shot.stderr and "finish: length" in one_shot.stderr
 
 
 def test_chat_turn_two_reuses_turn_one_from_the_prefix_cache(tiny_model_dir):
@@ -30,21 +64,10 @@ def test_chat_turn_two_reuses_turn_one_from_the_prefix_cache(tiny_model_dir):
     assert second_cached >= 32  # the system prompt and turn one, in whole blocks
 
 
-def test_one_prompt_starts_no_compiled_build(deep_model_dir, tmp_path):
+def test_one_prompt_starts_no_compiled_build(one_shot):
     """A one-shot reply ends long before a compiled step could be built (minutes), so it starts
     none: a build started there outlived the command, orphaned, and wrote into the cache."""
-    folder = tmp_path / "compiled"
-    env = {**os.environ, "PAGEDCHAT_COMPILE": "1", "PAGEDCHAT_COMPILED_DIR": str(folder)}
-    command = [sys.executable, "-m", "engine", "Tell me a long story about a paged cache.", "--model", deep_model_dir,
-               "--max-tokens", "80", "--seed", "1"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)  # whatever it starts stays in its group
-    try:
-        _, err = process.communicate(timeout=300)
-        assert process.returncode == 0, err[-2000:]
-        assert processes_naming("engine.worker.compiled_decode", str(folder)) == []
-        assert group_members(process.pid) == []
-        assert not folder.exists() or list(folder.iterdir()) == []
-    finally:
-        for pid in group_members(process.pid):
-            os.kill(pid, signal.SIGKILL)
+    assert one_shot.returncode == 0, one_shot.stderr[-2000:]
+    assert one_shot.leftover_builds == []
+    assert one_shot.leftover_group == []
+    assert one_shot.folder_entries == []
