@@ -196,7 +196,7 @@ def test_serve_comparison_script_runs_the_engine_and_reports_peers_not_set_up(ti
     engine's rates (climbing in increasing order) and its one chat, the peers reported missing
     with what to run, and the JSON line's shape."""
     figures = last_json_line(["benchmarks/peers/serve_compare.py", "--systems", "engine,vllm,llamacpp,llamacpp_q4_1",
-                              "--model", tiny_model_dir, "--dtype", "float32", "--rates", "3,1", "--duration-s", "2",
+                              "--model", tiny_model_dir, "--dtype", "float32", "--rates", "3,1", "--duration-s", "1",
                               "--max-tokens", "8", "--one-chat-tokens", "12", "--build", str(tmp_path)])
     assert figures["dtype"] == "float32" and figures["cpu"] and figures["rates_asked"] == [1.0, 3.0]
     engine = figures["systems"]["engine"]
