@@ -1,7 +1,7 @@
 """`python SCRIPT ARGS` for the benchmark scripts' tests, forked from one interpreter that has
 already imported torch, numpy and transformers' Llama, tokenizer and generation modules: a fresh
-start spends ~7 s of CPU on those imports (2-core Zen 1), and these tests start seven scripts
-that make them.
+start spends ~7 s of CPU on those imports (2-core Zen 1), and most scripts these tests run make
+them.
 
 The fork runs the script as the command line does: as `__main__`, with sys.argv, sys.path[0] the
 script's folder, the caller's working directory, stdin from /dev/null, stdout and stderr
