@@ -7,6 +7,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.worker.decode_graphs import BUCKETS, DecodeGraphs, buckets_up_to
 
+# Every engine here names its host pool: the default (1 GiB of swap space, 131k of the tiny model's
+# blocks) costs ~0.6 s of CPU to allocate, per engine.
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a land far away,",
            "1, 2, 3, 4,", "Water boils at", "Knock knock."]
 
@@ -40,10 +42,11 @@ def test_padded_decode_path_equals_the_ordinary_path(tiny_model_dir, tokenizer, 
     # Triton's interpreter runs each step slowly: there, 3 greedy decode steps of 3 chats (padded
     # to a bucket of 4) and 2 seeded ones of 3 x 2 samples (padded to 8).
     tokens, texts = (14, PROMPTS) if kernels == "torch" else (4, PROMPTS[:3])
-    plain = outputs(LLM(tiny_model_dir, num_gpu_blocks=64, cuda_graphs=False), tokenizer, tokens, texts)
+    plain = outputs(LLM(tiny_model_dir, num_gpu_blocks=64, num_cpu_blocks=64, cuda_graphs=False), tokenizer, tokens,
+                    texts)
     sizes = count_graph_runs(monkeypatch)
-    padded = outputs(LLM(tiny_model_dir, num_gpu_blocks=64, max_num_seqs=16, cuda_graphs=True), tokenizer, tokens,
-                     texts)
+    padded = outputs(LLM(tiny_model_dir, num_gpu_blocks=64, num_cpu_blocks=64, max_num_seqs=16, cuda_graphs=True),
+                     tokenizer, tokens, texts)
     assert sizes and set(sizes) - set(BUCKETS), f"no decode batch needed padding: {sorted(set(sizes))}"
     assert_same(padded, plain)
 
@@ -65,7 +68,8 @@ def test_under_preemption_and_beyond_the_largest_bucket(tiny_model_dir, tokenize
     prompts = [tokenizer(f"Story number {i}: once upon a time", add_special_tokens=False).input_ids
                for i in range(10)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in LLM(tiny_model_dir, num_gpu_blocks=256).generate(prompts, params)]
+    reference = LLM(tiny_model_dir, num_gpu_blocks=256, num_cpu_blocks=64)
+    want = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
     sizes = count_graph_runs(monkeypatch)
     llm = LLM(tiny_model_dir, num_gpu_blocks=24, num_cpu_blocks=64, max_num_seqs=10, cuda_graphs=True)
     llm.engine.runner.graphs = DecodeGraphs(llm.engine.model, llm.engine.runner.kv_cache, 4, 64, capture=False)
@@ -76,7 +80,7 @@ def test_under_preemption_and_beyond_the_largest_bucket(tiny_model_dir, tokenize
 
 
 def test_padding_rows_write_nothing_and_limits_are_checked(tiny_model_dir):
-    llm = LLM(tiny_model_dir, num_gpu_blocks=16, cuda_graphs=True)
+    llm = LLM(tiny_model_dir, num_gpu_blocks=16, num_cpu_blocks=64, cuda_graphs=True)
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.max_batch == 256 and not graphs.captured  # no capture on a CPU
     cache = llm.engine.runner.kv_cache
@@ -97,7 +101,9 @@ def test_padding_rows_write_nothing_and_limits_are_checked(tiny_model_dir):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: needs a GPU")
 def test_captured_graphs_replay_the_eager_outputs(tiny_model_dir, tokenizer):
-    eager = outputs(LLM(tiny_model_dir, device="cuda", num_gpu_blocks=64, cuda_graphs=False), tokenizer)
-    llm = LLM(tiny_model_dir, device="cuda", num_gpu_blocks=64, max_num_seqs=16, cuda_graphs=True)
+    eager = outputs(LLM(tiny_model_dir, device="cuda", num_gpu_blocks=64, num_cpu_blocks=64, cuda_graphs=False),
+                    tokenizer)
+    llm = LLM(tiny_model_dir, device="cuda", num_gpu_blocks=64, num_cpu_blocks=64, max_num_seqs=16,
+              cuda_graphs=True)
     assert llm.engine.runner.graphs.captured
     assert_same(outputs(llm, tokenizer), eager)

@@ -6,6 +6,8 @@ from engine.worker.model_loader import UnsupportedModelError
 from hf_reference import check_close, hf_logprobs
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+# Every tiny engine here names its host pool: the default (1 GiB of swap space, 131k of the tiny
+# model's blocks) costs ~0.6 s of CPU to allocate, per engine.
 
 
 def prompts_of(tokenizer, texts):
@@ -81,14 +83,14 @@ def test_real_model_in_bf16_follows_the_fp32_model(smol_hf):
 
 
 def test_tiny_model_greedy_equals_transformers_one_prompt_at_a_time(tiny_model_dir, tiny_hf, tokenizer):
-    llm = LLM(tiny_model_dir, num_gpu_blocks=128)
+    llm = LLM(tiny_model_dir, num_gpu_blocks=128, num_cpu_blocks=64)
     for ids in prompts_of(tokenizer, TEXTS):
         ours = llm.generate([ids], SamplingParams(max_tokens=40, **GREEDY))[0].outputs[0].token_ids
         assert len(ours) == 40 and ours == transformers_picks(tiny_hf, ids, ours)
 
 
 def test_mixed_length_batch_agrees_with_transformers(tiny_model_dir, tiny_hf, tokenizer, smol_llm, smol_hf):
-    for llm, hf in ((LLM(tiny_model_dir, num_gpu_blocks=128), tiny_hf), (smol_llm, smol_hf)):
+    for llm, hf in ((LLM(tiny_model_dir, num_gpu_blocks=128, num_cpu_blocks=64), tiny_hf), (smol_llm, smol_hf)):
         prompts = prompts_of(tokenizer, TEXTS)
         outs = llm.generate(prompts, SamplingParams(max_tokens=20, logprobs=5, **GREEDY))
         for ids, out in zip(prompts, outs):
@@ -113,7 +115,7 @@ def workload(tokenizer):
 
 @pytest.fixture(scope="module")
 def unconstrained(tiny_model_dir, workload):
-    llm = LLM(tiny_model_dir, num_gpu_blocks=512, enable_prefix_caching=False)
+    llm = LLM(tiny_model_dir, num_gpu_blocks=512, num_cpu_blocks=64, enable_prefix_caching=False)
     return {"greedy": run_all(llm, workload, max_tokens=WORKLOAD_TOKENS, **GREEDY),
             "seeded": run_all(llm, workload, max_tokens=WORKLOAD_TOKENS, temperature=0.9, top_p=0.95, seed=7,
                               ignore_eos=True)}
@@ -135,16 +137,16 @@ def test_tiny_pool_preemption_gives_identical_outputs(tiny_model_dir, workload, 
 
 
 def test_prefix_caching_and_chunked_prefill_give_identical_outputs(tiny_model_dir, workload, unconstrained):
-    cached = LLM(tiny_model_dir, num_gpu_blocks=512, enable_prefix_caching=True)
+    cached = LLM(tiny_model_dir, num_gpu_blocks=512, num_cpu_blocks=64, enable_prefix_caching=True)
     assert run_all(cached, workload, max_tokens=WORKLOAD_TOKENS, **GREEDY) == unconstrained["greedy"]
     again = cached.generate(workload, SamplingParams(max_tokens=4, **GREEDY))
     assert all(o.num_cached_tokens > 0 for o in again if len(o.prompt_token_ids) > 16)
-    chunked = LLM(tiny_model_dir, num_gpu_blocks=512, max_num_batched_tokens=16)
+    chunked = LLM(tiny_model_dir, num_gpu_blocks=512, num_cpu_blocks=64, max_num_batched_tokens=16)
     assert run_all(chunked, workload, max_tokens=WORKLOAD_TOKENS, **GREEDY) == unconstrained["greedy"]
 
 
 def test_n_samples_share_the_prompt_and_are_reproducible(tiny_model_dir, tokenizer):
-    llm = LLM(tiny_model_dir, num_gpu_blocks=128)
+    llm = LLM(tiny_model_dir, num_gpu_blocks=128, num_cpu_blocks=64)
     prompt = prompts_of(tokenizer, [TEXTS[2]])[0]
     params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=3, ignore_eos=True)
     first = llm.generate([prompt], params)[0]
@@ -156,7 +158,7 @@ def test_n_samples_share_the_prompt_and_are_reproducible(tiny_model_dir, tokeniz
 
 
 def test_stop_strings_and_max_tokens_finish_with_the_right_reason(tiny_model_dir, tokenizer):
-    llm = LLM(tiny_model_dir, num_gpu_blocks=128)
+    llm = LLM(tiny_model_dir, num_gpu_blocks=128, num_cpu_blocks=64)
     prompt = prompts_of(tokenizer, [TEXTS[0]])[0]
     free = llm.generate([prompt], SamplingParams(max_tokens=30, **GREEDY))[0].outputs[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 30
@@ -167,7 +169,7 @@ def test_stop_strings_and_max_tokens_finish_with_the_right_reason(tiny_model_dir
 
 
 def test_refuses_what_it_cannot_serve(tiny_model_dir, tmp_path):
-    llm = LLM(tiny_model_dir, num_gpu_blocks=8, block_size=16)
+    llm = LLM(tiny_model_dir, num_gpu_blocks=8, num_cpu_blocks=64, block_size=16)
     with pytest.raises(ValueError, match="max_model_len=128"):
         llm.generate([list(range(5, 200))], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="empty"):
@@ -217,7 +219,7 @@ def test_a_step_on_another_path_drops_the_kept_k_v(tiny_model_dir, tokenizer):
     """Whatever path writes the cache (here the padded decode-graph path, which a CPU runs
     eagerly), the eager path's kept K/V of a lone chat is dropped at once, not kept stale: one
     rule for every writer (ModelRunner._wrote)."""
-    llm = LLM(tiny_model_dir, num_gpu_blocks=64, max_num_seqs=4, cuda_graphs=True)
+    llm = LLM(tiny_model_dir, num_gpu_blocks=64, num_cpu_blocks=64, max_num_seqs=4, cuda_graphs=True)
     runner = llm.engine.runner
     assert runner.graphs is not None
     ids = prompts_of(tokenizer, TEXTS[2:3])

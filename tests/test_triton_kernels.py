@@ -95,7 +95,8 @@ def test_engine_outputs_with_triton_forced_equal_the_torch_path(tiny_model_dir, 
 
     def run(kernels):
         monkeypatch.setenv("PAGEDCHAT_KERNELS", kernels)
-        llm = LLM(tiny_model_dir, num_gpu_blocks=64, max_num_batched_tokens=32)
+        # a host pool of 64 blocks: the default 1 GiB costs ~0.6 s of CPU to allocate
+        llm = LLM(tiny_model_dir, num_gpu_blocks=64, num_cpu_blocks=64, max_num_batched_tokens=32)
         outs = llm.generate(prompts, greedy) + llm.generate([prompts[2]], forked)
         return [[o.token_ids for o in out.outputs] for out in outs]
 
