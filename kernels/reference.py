@@ -304,7 +304,8 @@ def _short_query_attention(q, k_cache, v_cache, plan: _ShortQueries, scale, out)
         else:
             k, v = _gather_kv(k_cache, v_cache, plan.own, plan.alone)
         query = (q if plan.in_order else q[plan.out_rows]).view(1, kv_heads, rep, head_dim)
-        result = F.scaled_dot_product_attention(query, k[None], v[None], scale=scale).view(1, heads, head_dim)
+        # reshape: CUDA's fused kernels may return heads and rows in another memory order
+        result = F.scaled_dot_product_attention(query, k[None], v[None], scale=scale).reshape(1, heads, head_dim)
         if out is None:
             return result
         out[plan.out_rows] = result

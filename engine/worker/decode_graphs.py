@@ -8,8 +8,8 @@ so a decode batch is copied into static buffers and padded up to the nearest cap
 are dropped. The attention plan of each bucket is fixed too: one query tile per sequence and no
 flash-decoding split (a split length would be baked into the graph while contexts grow).
 
-Without CUDA (or with `capture=False`) the same padded static-buffer path runs eagerly: that is
-how the tests on a CPU check that padding changes no output.
+Without CUDA (or with `capture=False`, or the torch kernels forced) the same padded static-buffer
+path runs eagerly: that is how the tests on a CPU check that padding changes no output.
 """
 from __future__ import annotations
 
@@ -50,7 +50,10 @@ class DecodeGraphs:
         self._meta = {b: self._bucket_meta(b) for b in self.buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
-        if capture and device.type == "cuda":
+        # Only the Triton kernels can be captured: the torch path plans on the host and reads
+        # slot values back from the device, which a capturing stream refuses. Forced onto a GPU
+        # (PAGEDCHAT_KERNELS=torch), it runs the same padded path eagerly.
+        if capture and device.type == "cuda" and kernels.backend(kv_cache) == "triton":
             self._capture()
 
     @property
