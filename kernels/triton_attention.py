@@ -120,12 +120,31 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, cu_q
 
 
 @dataclass(frozen=True)
+class Tiling:
+    """The attention kernel's launch shape. A tile's rows are `q_tokens` query tokens times the
+    heads that share a K/V head (at least 16, a power of two: what `tl.dot` takes); keys are read
+    `tile_n` at a time. `benchmarks/kernels.py --sweep` times the alternatives on a GPU."""
+    q_tokens: int
+    tile_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 3  # Triton's own default on CUDA
+
+
+# From `benchmarks/kernels.py --sweep` on an H200 (bf16, 32/8 heads, d=128): decode 64 x 4,096
+# keys 0.282 -> 0.250 ms (64 keys a step instead of 32); prefill 4 x 2,048 1.61 -> 0.65 ms
+# (16 query tokens a tile instead of 4, two stages). Eight warps were slower at every shape.
+DECODE_TILING = Tiling(q_tokens=1, tile_n=64, num_warps=4, num_stages=3)
+PREFILL_TILING = Tiling(q_tokens=16, tile_n=32, num_warps=4, num_stages=2)
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """How one step's batch is tiled: worked out once per step on the host from the lengths the
     model runner already holds, then shared by every layer, so a layer's launch needs no
     device-to-host read (the precondition for capturing decode steps in a CUDA graph)."""
     block_m: int               # query rows per tile: BLOCK_Q tokens x REP heads
     block_q: int               # query tokens per tile
+    tiling: Tiling
     tile_seq: torch.Tensor     # [tiles] int32: the sequence of each tile
     tile_start: torch.Tensor   # [tiles] int32: its first query token within the sequence
     num_seqs: int
@@ -141,12 +160,14 @@ class AttentionPlan:
 
 
 def plan(q_lens: list[int], max_k_len: int, num_heads: int, kv_heads: int, head_dim: int,
-         device: torch.device | str, num_splits: int | None = None) -> AttentionPlan:
+         device: torch.device | str, num_splits: int | None = None, tiling: Tiling | None = None) -> AttentionPlan:
     """The tiling of a batch with these query lengths and longest context. `num_splits` forces
-    flash-decoding's split count for a decode-only batch (None: chosen from the shape)."""
+    flash-decoding's split count for a decode-only batch (None: chosen from the shape); `tiling`
+    the launch shape (None: DECODE_TILING or PREFILL_TILING)."""
     rep = num_heads // kv_heads
     decode_only = bool(q_lens) and max(q_lens) == 1
-    block_m = max(16, triton.next_power_of_2(rep * (1 if decode_only else 4)))
+    tiling = tiling or (DECODE_TILING if decode_only else PREFILL_TILING)
+    block_m = max(16, triton.next_power_of_2(rep * tiling.q_tokens))
     block_q = block_m // rep
     tiles = [(seq, first) for seq, n in enumerate(q_lens) for first in range(0, n, block_q)]
     splits = num_splits or _choose_splits(q_lens, max_k_len, kv_heads, torch.device(device))
@@ -158,7 +179,7 @@ def plan(q_lens: list[int], max_k_len: int, num_heads: int, kv_heads: int, head_
         splits = 1
     parts = len(q_lens) * num_heads * splits if splits > 1 else 1
     columns = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2).T.contiguous().to(device)
-    return AttentionPlan(block_m, block_q, columns[0], columns[1], len(q_lens), splits, split_len,
+    return AttentionPlan(block_m, block_q, tiling, columns[0], columns[1], len(q_lens), splits, split_len,
                          torch.empty(parts, triton.next_power_of_2(head_dim), dtype=torch.float32, device=device),
                          torch.empty(parts, dtype=torch.float32, device=device),
                          torch.empty(parts, dtype=torch.float32, device=device))
@@ -197,8 +218,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         NUM_HEADS=num_heads, REP=rep, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=p.block_m, BLOCK_Q=p.block_q, TILE_N=32, CAUSAL=causal, SPLIT=split, PRECISION=precision,
-        UPCAST=upcast)
+        BLOCK_M=p.block_m, BLOCK_Q=p.block_q, TILE_N=p.tiling.tile_n, CAUSAL=causal, SPLIT=split,
+        PRECISION=precision, UPCAST=upcast, num_warps=p.tiling.num_warps, num_stages=p.tiling.num_stages)
     if split:
         _merge_splits_kernel[(p.num_seqs, num_heads)](
             out, p.part_acc, p.part_max, p.part_sum, cu_seqlens_q, out.stride(0), out.stride(1),

@@ -28,15 +28,16 @@ POINTER = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 MODELS = {"smollm2": (9, 3, 64), "llama-1b": (32, 8, 64), "bench": (32, 8, 128)}
 
 
-def compile_kernel(kernel, signature: dict, constants: dict, arch: int) -> dict:
+def compile_kernel(kernel, signature: dict, constants: dict, arch: int, tiling=None) -> dict:
     signature = signature | {name: "constexpr" for name in constants}
+    options = {"num_warps": tiling.num_warps, "num_stages": tiling.num_stages} if tiling else None
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                              target=GPUTarget("cuda", arch, 32))
+                              target=GPUTarget("cuda", arch, 32), options=options)
     return {"shared": compiled.metadata.shared, "cubin_bytes": len(compiled.asm["cubin"])}
 
 
 def attention_cases():
-    """(case name, dtype, constexprs) from the plans the engine makes for prefill, decode and split decode."""
+    """(case name, dtype, constexprs, launch tiling) from the plans the engine makes for prefill, decode and split decode."""
     for model, (heads, kv_heads, head_dim) in MODELS.items():
         for dtype in ("bf16", "fp16", "fp32"):
             for phase, q_lens, splits in (("prefill", [300, 1], None), ("decode", [1] * 4, 1),
@@ -45,17 +46,18 @@ def attention_cases():
                 yield f"{model} {dtype} {phase}", dtype, dict(
                     NUM_HEADS=heads, REP=heads // kv_heads, HEAD_DIM=head_dim,
                     DIM_P2=triton.next_power_of_2(head_dim), BLOCK_SIZE=16, BLOCK_M=plan.block_m,
-                    BLOCK_Q=plan.block_q, TILE_N=32, CAUSAL=True, SPLIT=plan.splits > 1,
-                    PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST=False)
+                    BLOCK_Q=plan.block_q, TILE_N=plan.tiling.tile_n, CAUSAL=True, SPLIT=plan.splits > 1,
+                    PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST=False), plan.tiling
 
 
 def main(archs: list[int]) -> None:
     for arch in archs:
         seen = set()
-        for case, dtype, constants in attention_cases():
-            if (dtype, tuple(constants.items())) in seen:  # phases whose plans tile alike compile alike
+        for case, dtype, constants, tiling in attention_cases():
+            key = (dtype, tuple(constants.items()), tiling)
+            if key in seen:  # phases whose plans tile alike compile alike
                 continue
-            seen.add((dtype, tuple(constants.items())))
+            seen.add(key)
             ptr = POINTER[dtype]
             signature = {"q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "out_ptr": ptr,
                          "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
@@ -63,7 +65,7 @@ def main(archs: list[int]) -> None:
                          "tile_seq_ptr": "*i32", "tile_start_ptr": "*i32", "scale": "fp32", "split_len": "i32",
                          "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
                          "stride_cb": "i64", "stride_ct": "i32", "stride_ch": "i32", "stride_bt": "i32"}
-            figures = compile_kernel(triton_attention._attention_kernel, signature, constants, arch)
+            figures = compile_kernel(triton_attention._attention_kernel, signature, constants, arch, tiling)
             print(json.dumps({"arch": arch, "kernel": "attention", "case": case} | figures), flush=True)
             if constants["SPLIT"]:
                 merge = compile_kernel(
