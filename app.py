@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default_model = env("MODEL") or (space.DEFAULT_MODEL if space.on_space() else None)
     parser.add_argument("--model", default=default_model,
-                        help="hub id or local Llama-family folder ($MODEL; default: the embedded SmolLM2-135M-Instruct)")
+                        help="hub id, local Llama-family folder or .gguf file ($MODEL; default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=env("PAGEDCHAT_DEVICE"), help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--dtype", default=env("PAGEDCHAT_DTYPE", "auto"),
                         help="auto, float32, bfloat16 or float16 ($PAGEDCHAT_DTYPE; auto: bf16 where the device "

@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     parser = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=env("MODEL"), help="hub id or folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=env("MODEL"), help="hub id, folder or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

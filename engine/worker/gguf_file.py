@@ -1,0 +1,166 @@
+"""A GGUF file by path: what it holds, whether we serve it, and its weights as a transformers model.
+
+Read with the `gguf` package's GGUFReader (llama.cpp's own reader), never by hand. `inspect_gguf`
+refuses a file before anything else touches it: an architecture other than llama, mistral or
+qwen2, or a tensor in a type `gguf_formats` does not read (named with the tensor). `load_model`
+dequantizes each tensor with `gguf_formats` straight from the memory-mapped file into the dtype
+the engine runs in (one tensor in float32 at a time), so a 7B file never becomes a dense copy on
+disk; tensor names and llama.cpp's query/key row order are mapped back to transformers' as
+transformers' own GGUF loader maps them, and Llama 3's `rope_freqs` (which that loader drops) is
+applied to the rotary frequencies as llama.cpp applies it.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.worker import gguf_formats
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    path: str
+    architecture: str
+    name: str | None
+    file_type: str        # as llama.cpp names it (general.file_type), e.g. "Q4_K_M"; else main_type
+    main_type: str        # the tensor type most weights are in, e.g. "Q4_K"
+    size_bytes: int
+    num_parameters: int
+    weights_by_type: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return (f"{Path(self.path).name}: {self.architecture}, {self.file_type}, "
+                f"{self.num_parameters / 1e9:.2f}B parameters, {self.size_bytes / 2**20:.0f} MiB")
+
+
+def _reader_class():
+    import numpy as np
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        """gguf's reader, reading through a plain ndarray view of its memory map: slicing an
+        np.memmap costs ~15 us a slice, and the reader slices ~5 times for each of a vocabulary's
+        strings (SmolLM2's 49k tokens and merges: 6.4 s of CPU to open the file, 2.3 s this way)."""
+
+        @property
+        def data(self):
+            return self._mapped
+
+        @data.setter
+        def data(self, value):
+            self._mapped = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return Reader
+
+
+def open_reader(path: str | Path):
+    """GGUFReader over the file, memory-mapped copy-on-write: its tensors are writable numpy
+    arrays (what torch.from_numpy wants) and the file is never written."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    try:
+        return _reader_class()(path, mode="c")
+    except ValueError as error:  # bad magic, unsupported GGUF version
+        raise ValueError(f"{path} is not a GGUF file we can read: {error}") from None
+
+
+def field_value(reader, key: str, default=None):
+    entry = reader.fields.get(key)
+    return default if entry is None else entry.contents()
+
+
+def inspect_gguf(path: str | Path, reader=None) -> GGUFInfo:
+    """What the GGUF at `path` holds; raises UnsupportedModelError for an architecture or a
+    tensor type we do not serve."""
+    from gguf import LlamaFileType
+
+    from engine.worker.model_loader import UnsupportedModelError
+
+    reader = reader or open_reader(path)
+    architecture = field_value(reader, "general.architecture")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{Path(path).name}: GGUF architecture {architecture!r} is not supported: PagedChat serves "
+            f"Llama-family decoders ({', '.join(SUPPORTED_ARCHITECTURES)})")
+    weights = Counter()
+    for tensor in reader.tensors:
+        try:
+            qtype = gguf_formats.check_type(tensor.tensor_type)
+        except gguf_formats.UnsupportedTensorTypeError as error:
+            raise UnsupportedModelError(f"{Path(path).name}: tensor {tensor.name!r}: {error}") from None
+        weights[qtype.name] += int(tensor.n_elements)
+    main_type = weights.most_common(1)[0][0] if weights else "none"
+    file_type = field_value(reader, "general.file_type")
+    try:
+        file_type = LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except (TypeError, ValueError):
+        file_type = main_type
+    return GGUFInfo(path=str(Path(path).resolve()), architecture=architecture, name=field_value(reader, "general.name"),
+                    file_type=file_type, main_type=main_type, size_bytes=Path(path).stat().st_size,
+                    num_parameters=sum(weights.values()), weights_by_type=dict(weights))
+
+
+def load_model(path: str | Path, config, dtype: torch.dtype):
+    """A transformers causal LM with `config` (the file's, as AutoConfig reads it) and the file's
+    weights dequantized into `dtype`, in eval mode."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    reader = open_reader(path)
+    info = inspect_gguf(path, reader)
+    logger.info("loading %s, dequantized to %s", info.describe(), str(dtype).removeprefix("torch."))
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    with torch.device("meta"):
+        names = gguf_names(model_class(config).state_dict(), info.architecture, config.num_hidden_layers)
+    processor = TENSOR_PROCESSORS.get(info.architecture, TensorProcessor)(config=config.to_dict())
+    state_dict, rope_factors = {}, None
+    for tensor in reader.tensors:
+        weights = gguf_formats.dequantize(torch.from_numpy(tensor.data), tensor.tensor_type)
+        weights = weights.reshape(tuple(reversed([int(n) for n in tensor.shape])))
+        if tensor.name == "rope_freqs.weight":
+            rope_factors = weights.clone()
+        if tensor.name not in names:
+            continue
+        weights = processor.process(weights=weights, name=tensor.name).weights  # llama.cpp's q/k row order undone
+        state_dict[names[tensor.name]] = weights.to(dtype)
+    model = model_class.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
+    if rope_factors is not None:
+        _divide_rope_frequencies(model, rope_factors)
+    return model.eval()
+
+
+def gguf_names(hf_names, architecture: str, num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> transformers parameter name, by gguf-py's tensor name map (what
+    transformers' get_gguf_hf_weights_map does, with the map built once rather than once per
+    module: 12 s of SmolLM2's load). A "mistral" file lays its tensors out as llama's."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch_name = "qwen2" if architecture == "qwen2" else "llama"
+    arch = next(arch for arch, name in MODEL_ARCH_NAMES.items() if name == arch_name)
+    name_map = get_tensor_name_map(arch, num_layers)
+    names = {}
+    for hf_name in hf_names:
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = name_map.get_name(base)
+        if gguf_name is not None:
+            names[f"{gguf_name}.{suffix}"] = hf_name
+    return names
+
+
+def _divide_rope_frequencies(model, factors: torch.Tensor) -> None:
+    """Llama 3.1/3.2 files carry their RoPE scaling as `rope_freqs.weight`, one factor per
+    frequency that llama.cpp divides it by; transformers' GGUF config leaves it out, so the
+    model's frequencies are divided here (what engine/worker/models' rotary table reads)."""
+    rotary = model.model.rotary_emb
+    scaled = rotary.inv_freq / factors.to(rotary.inv_freq)
+    rotary.register_buffer("inv_freq", scaled, persistent=False)
+    if hasattr(rotary, "original_inv_freq"):
+        rotary.original_inv_freq = scaled
