@@ -69,7 +69,7 @@ def serve(args: argparse.Namespace) -> None:
 
     client = finish_engine()
     feed, load, sessions = PanelFeed(client), LoadGenerator(client), Sessions()
-    backend = backends.in_process(client)
+    backend = backends.in_process(client, block_map_cache=feed.block_map_cache)  # as app.py does
     demo = build_app(backend, Store(args.db), feed, load, host="127.0.0.1", sessions=sessions)
     server = uvicorn.Server(uvicorn.Config(build_server(demo, client, sessions, "127.0.0.1"), host="127.0.0.1",
                                            port=args.port, log_level="warning"))
