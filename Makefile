@@ -26,8 +26,10 @@ CHROMIUM := /usr/bin/chromium
 browser:
 	@test -x $(CHROMIUM) || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
+# Two workers, a module each at a time (module-scoped servers and browsers start once), slowest
+# modules first (tests/conftest.py).
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/scheduler_overhead.py

@@ -9,6 +9,12 @@ import os
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test` runs two pytest workers (pytest-xdist), a module at a time each, on a 2-core machine:
+# one torch thread per process (the servers and engine cores the tests start inherit it). With
+# torch's default of a thread per core, each process's threads spin waiting for a core the other
+# holds: the suite took 22.9 min in two workers against 18.2 in one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Engines decode eagerly here: compiled decode steps are built (minutes of both cores for the real
 # model: ~2.5 min for SmolLM2's two packages on a 2-core Zen 5, 7-11 min in fp32 on a busy 2-core
 # Zen 1 EPYC) only where tests/test_compiled_decode.py asks for one.
@@ -16,6 +22,27 @@ os.environ.setdefault("PAGEDCHAT_COMPILE", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+
+# The slowest modules (seconds, alone, on a 2-core AMD EPYC) start first, so that the two workers
+# end together instead of one finishing a long module alone (`--no-loadscope-reorder` keeps this
+# order: xdist otherwise orders modules by their number of tests).
+SLOWEST_FIRST = ("test_browser",            # 136
+                 "test_compiled_decode",    # 134
+                 "test_benchmark_scripts",  # 111
+                 "test_space",              # 91
+                 "test_app",                # 79
+                 "test_core_client",        # 75
+                 "test_backends",           # 53
+                 "test_engine",             # 38
+                 "test_triton_kernels",     # 35
+                 "test_panel_browser",      # 35
+                 "test_crash_durability")   # 31
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module keeps its order
 
 
 def _share_one_tls_context() -> None:
