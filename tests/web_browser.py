@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from served_app import free_port, serve  # noqa: F401  (the browser tests' server)
+from waiting import DEADLINE_S
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
@@ -19,7 +20,10 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run"]
 VIEWPORT = {"width": 1280, "height": 800}
 USER_KEY = "pagedchat-user"  # ui.chat.BROWSER_KEY: where the browser keeps its anonymous id
-TIMEOUT_MS = 30_000
+TIMEOUT_MS = int(DEADLINE_S * 1000)  # a bound on a hang, for page actions and `expect` alike
+# Playwright's `expect` waits 5 s unless told: a sidebar that updated in 6 s on a busy machine
+# (three pytest workers on two cores) failed a test.
+sync_api.expect.set_options(timeout=TIMEOUT_MS)
 
 if not os.path.exists(CHROMIUM):
     pytest.skip(f"no {CHROMIUM}: run `make browser` (as root) to install Debian's chromium",
