@@ -72,6 +72,14 @@ def wait_for_reply(page, replies: int) -> None:
     expect(bubbles(page, "bot").last).to_contain_text(DONE, timeout=REPLY_TIMEOUT_MS)
 
 
+def new_chat(page) -> None:
+    """"New chat", then until the page shows the empty chat: its event answers from the server,
+    and a message sent before it lands goes to the chat still shown (on a busy machine a test's
+    next `send` raced it, and the message joined the previous chat)."""
+    page.get_by_role("button", name="New chat").click()
+    expect(bubbles(page, "user")).to_have_count(0)
+
+
 def chat_once(page, text: str, replies: int = 1) -> None:
     send(page, text)
     wait_for_reply(page, replies)
@@ -415,7 +423,7 @@ def test_delete_all_leaves_the_user_nothing_and_others_untouched(served, profile
     chat_once(keeper, "The keeper's chat")
     set_params(leaver, max_tokens=4)
     chat_once(leaver, "The leaver's first chat")
-    button(leaver, "➕ New chat").click()
+    new_chat(leaver)
     chat_once(leaver, "The leaver's second chat")
     expect(sidebar(leaver)).to_have_count(2)
     leaver_id, _ = owner_and_id(store, "The leaver's first chat")
@@ -557,9 +565,8 @@ def test_new_chat_then_switch_back_from_the_sidebar(served, profiles):
     chat_once(page, "First chat, about lighthouses")
     chat_once(page, "A second question in the first chat", replies=2)
 
-    page.get_by_role("button", name="New chat").click()
+    new_chat(page)
     expect(bubbles(page, "bot")).to_have_count(0)
-    expect(bubbles(page, "user")).to_have_count(0)
     chat_once(page, "Second chat, about oceans")
     expect(sidebar(page)).to_have_count(2)
     expect(page.get_by_role("radio", name="Second chat, about oceans")).to_be_checked()
@@ -640,7 +647,7 @@ def test_screenshot_of_the_real_model_mid_conversation(browser, tmp_path):
         page = profile.open()
         set_params(page, max_tokens=96)
         chat_once(page, "What is a KV cache, in two sentences?")
-        page.get_by_role("button", name="New chat").click()
+        new_chat(page)
         chat_once(page, "Give me a one-line tip for brewing green tea.")
         chat_once(page, "Why does the water temperature matter?", replies=2)
         page.get_by_text("System prompt and parameters").click()  # fold the parameters away

@@ -131,6 +131,7 @@ def chat_titles(page) -> list[str]:
 def chat(page, text: str) -> None:
     """A message sent and answered in a new chat (the tiny model's reply is gibberish, but a reply)."""
     page.get_by_role("button", name="New chat").click()
+    expect(page.locator('[data-testid="user"]')).to_have_count(0)  # the new chat shown before sending into it
     page.get_by_placeholder("Message PagedChat…").fill(text)
     page.get_by_role("button", name="Send", exact=True).click()
     expect(page.locator('[data-testid="bot"]').last).to_contain_text(DONE, timeout=REPLY_TIMEOUT_MS)
