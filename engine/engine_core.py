@@ -24,7 +24,8 @@ from engine.worker import compiled_decode
 from engine.worker.decode_graphs import BUCKETS
 from engine.worker.host_allocator import keep_freed_memory
 from engine.worker.memory import num_device_blocks, num_host_blocks, resolve_device, resolve_dtype
-from engine.worker.model_loader import DEFAULT_MODEL_NAME, load_hf_model, model_dtype
+from engine.worker.model_loader import (DEFAULT_MODEL_NAME, describe_weights, load_hf_model, model_dtype,
+                                        resolve_quantization)
 from engine.worker.model_runner import ModelRunner
 from engine.worker.models.llama import LlamaModel
 
@@ -40,14 +41,18 @@ class EngineCore:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO, preemption_mode: str = "auto", watermark: float = 0.01,
                  cuda_graphs: bool | None = None, compile_decode: bool | None = None,
-                 max_step_ms: float | None = DEFAULT_MAX_STEP_MS) -> None:
+                 max_step_ms: float | None = DEFAULT_MAX_STEP_MS, quantization: str = "auto") -> None:
         self.device = resolve_device(device)
         if self.device.type == "cpu":
             keep_freed_memory()  # before the weights: every step's activations then reuse one heap
         self.dtype = resolve_dtype(dtype, self.device, model_dtype(model) if dtype in (None, "auto") else None)
-        hf_model, self.tokenizer = load_hf_model(model, self.dtype)
+        # A GGUF file's quantized weights: kept quantized on a CPU (native) or dequantized at load.
+        self.quantization, why = resolve_quantization(quantization, model, self.device)
+        hf_model, self.tokenizer = load_hf_model(model, self.dtype, quantized=self.quantization == "native")
         self.model_name = model or os.environ.get("MODEL") or DEFAULT_MODEL_NAME
         self.model = LlamaModel(hf_model, self.dtype, self.device)
+        self.weights_info = describe_weights(model, self.quantization)
+        log.info("weights: %s (%s)", self.weights_info["description"], why)
         hf_config = hf_model.config
         del hf_model
         # vLLM's option names (num_gpu_blocks, num_cpu_blocks) end here; inside, the pools are the
@@ -80,7 +85,8 @@ class EngineCore:
         self.compiled = None
         if compile_decode is None:
             compile_decode = compiled_decode.enabled_by_default()
-        unsupported = compiled_decode.supported(self.device, self.dtype)
+        unsupported = compiled_decode.supported(self.device, self.dtype) or (
+            "its graphs hold dense weights; the quantized ones run eagerly" if self.model.quantized else None)
         if compile_decode and unsupported:
             log.info("no compiled decode step: %s", unsupported)
         elif compile_decode:
@@ -216,4 +222,4 @@ class EngineCore:
         return EngineInfo(model=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                           block_size=self.config.block_size, num_device_blocks=self.config.num_device_blocks,
                           num_host_blocks=self.config.num_host_blocks, kernels=kernels.backend(cache),
-                          max_model_len=self.config.max_model_len)
+                          max_model_len=self.config.max_model_len, weights=self.weights_info["label"])

@@ -103,6 +103,14 @@ class EngineInfo:
     num_host_blocks: int
     kernels: str     # "triton" or "torch"
     max_model_len: int = 0  # longest prompt + output a request may have
+    weights: str = ""        # a GGUF file's type and how it runs ("Q4_K_M, quantized (native)"); "" if dense
+
+    @property
+    def label(self) -> str:
+        """The model as people read it: a GGUF file by its name, with its type and how it runs."""
+        if not self.weights:
+            return self.model
+        return f"{self.model.replace(chr(92), '/').rsplit('/', 1)[-1]} · {self.weights}"
 
     @property
     def on_cpu(self) -> bool:

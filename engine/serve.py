@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from engine.api import add_openai_api
 from engine.api.access import is_loopback
 from engine.core.block_hash import DEFAULT_HASH_ALGO, HASH_ALGOS
-from engine.core.config import DEFAULT_MAX_STEP_MS
+from engine.core.config import DEFAULT_MAX_STEP_MS, QUANTIZATIONS
 from engine.frontend.request_streams import StreamingClient
 
 
@@ -67,6 +67,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the prefix cache's block hash: xxh3 (fast, unkeyed) or sha256 (no collision can be "
                              "searched for, where users may attack each other) ($PAGEDCHAT_PREFIX_CACHING_HASH_ALGO; "
                              f"default {DEFAULT_HASH_ALGO})")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=env("PAGEDCHAT_QUANTIZATION", "auto"),
+                        help="a GGUF file's quantized weights: native keeps them quantized and multiplies them "
+                             "natively (CPU), dequantize makes them dense at load, auto picks native on a CPU "
+                             "($PAGEDCHAT_QUANTIZATION; default auto)")
     parser.add_argument("--engine-in-process", action="store_true",
                         default=env("PAGEDCHAT_ENGINE_IN_PROCESS", "") not in ("", "0"),
                         help="run the engine on a thread of the server's process, not in a process of its own "
@@ -84,7 +88,7 @@ def begin_engine(args: argparse.Namespace, max_waiting: int, **options) -> Calla
     what is returned finishes the client when called, so the caller's own start-up runs meanwhile."""
     options = {"num_gpu_blocks": args.num_gpu_blocks, "num_cpu_blocks": args.num_cpu_blocks,
                "max_step_ms": args.max_step_ms or None, "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
-               **options}
+               "quantization": args.quantization, **options}
     if args.engine_in_process:
         from engine.client import EngineClient
         from engine.llm_engine import LLMEngine

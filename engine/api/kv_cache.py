@@ -18,7 +18,7 @@ def kv_cache_json(info: EngineInfo, stats: SchedulerStats, block_map: BlockMap) 
     unsalted prefix every user shares, `BlockInfo.shared_prefix`), else 0."""
     requests: dict[str, int] = {}
     return {
-        "model": info.model, "block_size": block_map.block_size, "max_model_len": info.max_model_len,
+        "model": info.model, "weights": info.weights, "block_size": block_map.block_size, "max_model_len": info.max_model_len,
         "device": {"num_blocks": info.num_device_blocks, "used": stats.device_blocks_used,
                    "cached": stats.device_blocks_cached, **_pool(block_map.device, requests)},
         "host": {"num_blocks": info.num_host_blocks, "used": stats.host_blocks_used,
@@ -73,7 +73,8 @@ def block_map_from_kv_cache_json(data: dict, *, device: str = "remote") -> tuple
         raise ValueError(f"kv_cache.max_model_len: expected an integer, got {max_model_len!r}")
     info = EngineInfo(model=str(model) if model is not None else "unknown", device=device, dtype="unknown",
                       block_size=block_size, num_device_blocks=len(pools["device"]),
-                      num_host_blocks=len(pools["host"]), kernels="unknown", max_model_len=max_model_len)
+                      num_host_blocks=len(pools["host"]), kernels="unknown", max_model_len=max_model_len,
+                      weights=str(data.get("weights") or ""))
     return BlockMap(block_size, pools["device"], pools["host"]), info
 
 

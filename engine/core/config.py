@@ -17,6 +17,8 @@ PREEMPTION_MODES = ("swap", "recompute", "auto")
 # Reading speed is ~5 words (~7 tokens) a second; an online service's usual bar for a good stream
 # is 200 ms between tokens at p99, which noise on a busy machine must stay under.
 DEFAULT_MAX_STEP_MS = 120.0
+# A GGUF file's quantized weights: kept quantized (native, CPU), made dense at load, or picked.
+QUANTIZATIONS = ("auto", "native", "dequantize")
 
 
 @dataclass

@@ -108,33 +108,79 @@ def inspect_gguf(path: str | Path, reader=None) -> GGUFInfo:
                     num_parameters=sum(weights.values()), weights_by_type=dict(weights))
 
 
-def load_model(path: str | Path, config, dtype: torch.dtype):
+def load_model(path: str | Path, config, dtype: torch.dtype, quantized: bool = False):
     """A transformers causal LM with `config` (the file's, as AutoConfig reads it) and the file's
-    weights dequantized into `dtype`, in eval mode."""
+    weights dequantized into `dtype`, in eval mode.
+
+    `quantized`: the quantized matrices (the projections and the embedding) stay as they are in
+    the file, as `QuantizedMatrix`es in the model's `quantized_weights` (transformers' parameter
+    name -> matrix), and the model's own parameters of those names stay on the meta device (no
+    memory): only the engine's decoder (models/weights.py) reads them."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     reader = open_reader(path)
     info = inspect_gguf(path, reader)
-    logger.info("loading %s, dequantized to %s", info.describe(), str(dtype).removeprefix("torch."))
+    logger.info("loading %s, %s", info.describe(),
+                "its quantized matrices kept quantized" if quantized else f"dequantized to {str(dtype).removeprefix('torch.')}")
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with torch.device("meta"):
         names = gguf_names(model_class(config).state_dict(), info.architecture, config.num_hidden_layers)
     processor = TENSOR_PROCESSORS.get(info.architecture, TensorProcessor)(config=config.to_dict())
-    state_dict, rope_factors = {}, None
+    state_dict, kept, rope_factors = {}, {}, None
     for tensor in reader.tensors:
-        weights = gguf_formats.dequantize(torch.from_numpy(tensor.data), tensor.tensor_type)
-        weights = weights.reshape(tuple(reversed([int(n) for n in tensor.shape])))
+        raw = torch.from_numpy(tensor.data)
+        shape = tuple(reversed([int(n) for n in tensor.shape]))
+        name = names.get(tensor.name)
+        if quantized and name is not None and len(shape) == 2 and tensor.tensor_type in gguf_formats.QUANTIZED_TYPES:
+            kept[name] = _quantized_matrix(raw, tensor, shape, processor)
+            continue
+        weights = gguf_formats.dequantize(raw, tensor.tensor_type).reshape(shape)
         if tensor.name == "rope_freqs.weight":
             rope_factors = weights.clone()
-        if tensor.name not in names:
+        if name is None:
             continue
         weights = processor.process(weights=weights, name=tensor.name).weights  # llama.cpp's q/k row order undone
-        state_dict[names[tensor.name]] = weights.to(dtype)
-    model = model_class.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
+        state_dict[name] = weights.to(dtype)
+    if kept:
+        model = _model_without(kept, model_class, config, state_dict, dtype)
+    else:
+        model = model_class.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
+    model.quantized_weights = kept
     if rope_factors is not None:
         _divide_rope_frequencies(model, rope_factors)
     return model.eval()
+
+
+def _quantized_matrix(raw: torch.Tensor, tensor, shape: tuple[int, ...], processor):
+    """The tensor's groups as a QuantizedMatrix, rows in transformers' order: the processor's row
+    permutation (llama.cpp's q/k order undone) is found by applying it to the row numbers."""
+    from engine.worker.quantized.matrix import QuantizedMatrix
+
+    groups = gguf_formats.unpack(raw.reshape(shape[0], -1), tensor.tensor_type)
+    rows = torch.arange(shape[0], dtype=torch.float64).reshape(shape[0], 1)
+    order = processor.process(weights=rows, name=tensor.name).weights.reshape(-1).long()
+    if not torch.equal(order, torch.arange(shape[0])):
+        groups = type(groups)(*(None if t is None else t[order] for t in
+                                (groups.quants, groups.d, groups.sc, groups.dm, groups.mn)))
+    return QuantizedMatrix.of(groups, gguf_formats.check_type(tensor.tensor_type).name)
+
+
+def _model_without(kept: dict, model_class, config, state_dict: dict, dtype: torch.dtype):
+    """The model with `state_dict` loaded and the parameters named in `kept` left on the meta
+    device; buffers computed at construction (the rotary frequencies) rebuilt on the CPU."""
+    with torch.device("meta"):
+        model = model_class(config)
+    model.to(dtype)
+    missing = set(model.state_dict()) - set(state_dict) - set(kept)
+    if config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"{sorted(missing)[:5]} missing from the GGUF file")
+    model.load_state_dict(state_dict, strict=False, assign=True)
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=config)
+    return model
 
 
 def gguf_names(hf_names, architecture: str, num_layers: int) -> dict[str, str]:

@@ -44,16 +44,41 @@ class UnsupportedTensorTypeError(ValueError):
 
 @dataclass(frozen=True)
 class Groups:
-    """A quantized tensor as groups: weight = quants * scale + offset. `quants` has shape
-    (..., groups per row, group size) (uint8, or int8 where the format is signed); `scale` and
-    `offset` (float32, None where the format has none) have shape (..., groups per row, 1)."""
+    """A quantized tensor as groups: weight = quants * scale + offset, where each group's scale and
+    offset are kept as the format's own factors (so a native matmul can keep the file's bits):
+    scale = d * sc and offset = dm * mn, with d and dm per super-block of `groups_per_super`
+    groups (f16) and sc, mn per group (small integers, int8). A factor that is None is 1 (sc, mn)
+    or absent (dm: no offset).
+
+    Shapes: quants (..., groups per row, group size) (uint8, or int8 where the format is signed);
+    sc, mn (..., groups per row, 1); d, dm (..., super-blocks per row, 1)."""
     quants: torch.Tensor
-    scale: torch.Tensor
-    offset: torch.Tensor | None
+    d: torch.Tensor
+    sc: torch.Tensor | None
+    dm: torch.Tensor | None
+    mn: torch.Tensor | None
 
     @property
     def group_size(self) -> int:
         return self.quants.shape[-1]
+
+    @property
+    def groups_per_super(self) -> int:
+        return self.quants.shape[-2] // self.d.shape[-2]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """Per group, float32 (..., groups per row, 1)."""
+        return _per_group(self.d, self.sc, self.groups_per_super)
+
+    @property
+    def offset(self) -> torch.Tensor | None:
+        return None if self.dm is None else _per_group(self.dm, self.mn, self.groups_per_super)
+
+
+def _per_group(factor: torch.Tensor, per_group: torch.Tensor | None, groups_per_super: int) -> torch.Tensor:
+    value = factor.float().repeat_interleave(groups_per_super, dim=-2)
+    return value if per_group is None else value * per_group.float()
 
 
 def check_type(qtype: int | GGMLQuantizationType) -> GGMLQuantizationType:
@@ -95,20 +120,22 @@ def affine(groups: Groups) -> torch.Tensor:
 
 
 def unpack(data: torch.Tensor, qtype: int | GGMLQuantizationType) -> Groups:
-    """The integer quants and per-group scale (and offset) of a quantized GGUF tensor."""
+    """The integer quants and per-group scale (and offset) factors of a quantized GGUF tensor."""
     qtype = check_type(qtype)
     if qtype not in QUANTIZED_TYPES:
         raise UnsupportedTensorTypeError(f"GGUF tensor type {qtype.name} is not quantized: nothing to unpack")
     raw = _as_bytes(data)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
-    rows = raw.shape[:-1]
-    blocks = raw.reshape(-1, type_size)
-    quants, scale, offset = _UNPACK[qtype](blocks)
-    # (blocks, groups per block, group) -> (..., groups per row, group)
-    group = quants.shape[-1]
-    shape = (*rows, raw.shape[-1] // type_size * block_size // group)
-    return Groups(quants.reshape(*shape, group), scale.reshape(*shape, 1),
-                  None if offset is None else offset.reshape(*shape, 1))
+    rows, blocks_per_row = raw.shape[:-1], raw.shape[-1] // type_size
+    quants, d, sc, dm, mn = _UNPACK[qtype](raw.reshape(-1, type_size))
+    # (blocks, groups per block, group) -> (..., groups per row, group); factors alike
+    groups = blocks_per_row * quants.shape[1]
+
+    def per_row(t: torch.Tensor | None, count: int) -> torch.Tensor | None:
+        return None if t is None else t.reshape(*rows, count, -1)
+
+    return Groups(per_row(quants, groups), per_row(d, blocks_per_row), per_row(sc, groups),
+                  per_row(dm, blocks_per_row), per_row(mn, groups))
 
 
 def _as_bytes(data: torch.Tensor) -> torch.Tensor:
@@ -117,8 +144,8 @@ def _as_bytes(data: torch.Tensor) -> torch.Tensor:
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The f16 at byte `start` of each block, as float32 of shape (blocks, 1)."""
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+    """The f16 at byte `start` of each block, shape (blocks, 1)."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16)
 
 
 def _nibbles(packed: torch.Tensor, span: int) -> torch.Tensor:
@@ -128,22 +155,21 @@ def _nibbles(packed: torch.Tensor, span: int) -> torch.Tensor:
     return torch.cat((runs & 0x0F, runs >> 4), dim=2).reshape(packed.shape[0], -1, span)
 
 
+# Each returns (quants (blocks, groups, group), d (blocks, 1), sc (blocks, groups) | None,
+# dm (blocks, 1) | None, mn (blocks, groups) | None).
+
 def _q8_0(blocks):
-    d = _f16(blocks, 0)
     quants = blocks[:, 2:].contiguous().view(torch.int8)
-    return quants.unsqueeze(1), d.unsqueeze(1), None
+    return quants.unsqueeze(1), _f16(blocks, 0), None, None, None
 
 
 def _q4_0(blocks):
     d = _f16(blocks, 0)
-    quants = _nibbles(blocks[:, 2:], 16).reshape(-1, 1, 32)
-    return quants, d.unsqueeze(1), (-8 * d).unsqueeze(1)
+    return _nibbles(blocks[:, 2:], 16).reshape(-1, 1, 32), d, None, -8 * d, None  # x8 is exact in f16
 
 
 def _q4_1(blocks):
-    d, m = _f16(blocks, 0), _f16(blocks, 2)
-    quants = _nibbles(blocks[:, 4:], 16).reshape(-1, 1, 32)
-    return quants, d.unsqueeze(1), m.unsqueeze(1)
+    return _nibbles(blocks[:, 4:], 16).reshape(-1, 1, 32), _f16(blocks, 0), None, _f16(blocks, 2), None
 
 
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,25 +178,23 @@ def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d, m, m_d = packed[:, 0], packed[:, 1], packed[:, 2]
     scales = torch.cat((d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
     mins = torch.cat((m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)), dim=-1)
-    return scales.float(), mins.float()
+    return scales.view(torch.int8), mins.view(torch.int8)  # 0..63
 
 
 def _q4_k(blocks):
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     scales, mins = _k_scales(blocks[:, 4:16])
     quants = _nibbles(blocks[:, 16:], 32)  # (blocks, 8, 32)
-    return quants, (d * scales).unsqueeze(-1), (-(dmin * mins)).unsqueeze(-1)
+    return quants, _f16(blocks, 0), scales, -_f16(blocks, 2), mins
 
 
 _BITS = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
 
 
 def _q5_k(blocks):
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     scales, mins = _k_scales(blocks[:, 4:16])
     high = (blocks[:, 16:48].unsqueeze(1) >> _BITS) & 0x01  # bit j of byte i: sub-block j, weight i
     quants = _nibbles(blocks[:, 48:], 32) | (high << 4)
-    return quants, (d * scales).unsqueeze(-1), (-(dmin * mins)).unsqueeze(-1)
+    return quants, _f16(blocks, 0), scales, -_f16(blocks, 2), mins
 
 
 _CRUMBS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
@@ -181,9 +205,8 @@ def _q6_k(blocks):
     low = _nibbles(blocks[:, :128], 64).reshape(n, 8, 32)
     high = ((blocks[:, 128:192].reshape(n, 2, 1, 32) >> _CRUMBS) & 0x03).reshape(n, 8, 32)
     quants = ((low | (high << 4)).view(torch.int8) - 32).reshape(n, 16, 16)
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
-    d = _f16(blocks, 208)
-    return quants, (d * scales).unsqueeze(-1), None
+    scales = blocks[:, 192:208].contiguous().view(torch.int8)
+    return quants, _f16(blocks, 208), scales, None, None
 
 
 _UNPACK = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}

@@ -203,9 +203,10 @@ def load_tokenizer(model: str | None = None):
     return AutoTokenizer.from_pretrained(resolve_model(model))
 
 
-def load_hf_model(model: str | None = None, dtype: torch.dtype = torch.float32):
+def load_hf_model(model: str | None = None, dtype: torch.dtype = torch.float32, quantized: bool = False):
     """(transformers model in eval mode, tokenizer) for `model`; refuses unsupported architectures
-    before loading any weights."""
+    before loading any weights. `quantized`: a GGUF file's quantized matrices stay quantized
+    (gguf_file.load_model), for a `resolve_quantization` of "native"."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(model)
@@ -213,7 +214,59 @@ def load_hf_model(model: str | None = None, dtype: torch.dtype = torch.float32):
     check_supported(config)
     if (source := gguf_source(path)) is not None:
         from engine.worker.gguf_file import load_model
-        return load_model(source["path"], config, dtype), AutoTokenizer.from_pretrained(path)
+        return load_model(source["path"], config, dtype, quantized=quantized), AutoTokenizer.from_pretrained(path)
+    if quantized:
+        raise ValueError(f"{model} has no quantized weights to keep: only GGUF files do")
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     hf_model.eval()
     return hf_model, AutoTokenizer.from_pretrained(path)
+
+
+def resolve_quantization(quantization: str | None, model: str | None, device: torch.device) -> tuple[str, str]:
+    """("native" or "dequantize", why) for a `quantization` option of auto, native or dequantize.
+
+    native keeps a GGUF file's quantized matrices quantized and multiplies them with the C loops
+    (engine/worker/quantized): on a CPU, where reading the weights bounds a decode step, 4-8 bits
+    a weight read where dense float32 reads 32. dequantize makes them dense at load (what a GPU
+    runs, for now). auto picks native on a CPU whenever the file is quantized and the loops can
+    be built here; a model that is not a quantized GGUF file is dense whatever is asked, except
+    that native is refused for it."""
+    from engine.core.config import QUANTIZATIONS
+
+    quantization = quantization or "auto"
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    source = gguf_source(resolve_model(model))
+    from engine.worker.gguf_formats import QUANTIZED_TYPES
+    quantized_file = source is not None and source.get("main_type") in {t.name for t in QUANTIZED_TYPES}
+    if not quantized_file:
+        what = "a GGUF file whose weights are not quantized" if source else "not a GGUF file"
+        if quantization == "native":
+            raise ValueError(f"quantization='native' needs a quantized GGUF file; {model or DEFAULT_MODEL_NAME} is {what}")
+        return "dequantize", f"{what}: dense weights"
+    if quantization == "dequantize":
+        return "dequantize", "asked for"
+    if device.type != "cpu":
+        if quantization == "native":
+            raise ValueError(f"quantization='native' runs on CPUs; on {device.type} the weights are dequantized at "
+                             "load (quantization='auto' or 'dequantize')")
+        return "dequantize", f"native quantized matmuls run on CPUs, not {device.type}"
+    from engine.worker.quantized import native
+    if native.library() is None:
+        if quantization == "native":
+            raise ValueError(f"quantization='native' cannot run here: {native.problem()}")
+        return "dequantize", f"no native quantized matmul here ({native.problem()})"
+    return "native", "asked for" if quantization == "native" else f"a {source['main_type']} file on a CPU"
+
+
+def describe_weights(model: str | None, quantization: str) -> dict:
+    """What the engine's weights are, for the panel, the context meter and the logs: the GGUF
+    file's name and type and how they run ({"file": None, ...} for any other model)."""
+    source = gguf_source(resolve_model(model))
+    if source is None:
+        return {"file": None, "type": None, "quantization": "dense", "label": "",
+                "description": f"{model or DEFAULT_MODEL_NAME}, dense"}
+    name = Path(source["path"]).name
+    how = "quantized (native)" if quantization == "native" else "dequantized at load"
+    return {"file": name, "type": source["file_type"], "quantization": quantization,
+            "label": f"{source['file_type']}, {how}", "description": f"{name} ({source['file_type']}, {how})"}

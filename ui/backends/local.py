@@ -39,7 +39,7 @@ class LocalEndpoint:
     def probe(self) -> Probe:
         info = self.client.info()
         if self.client.closed:
-            return Probe(up=False, problem=self.client.closed_reason() or "the engine has stopped", model=info.model)
+            return Probe(up=False, problem=self.client.closed_reason() or "the engine has stopped", model=info.label)
         stats = self.client.stats()
         metrics = MetricsSnapshot(
             timestamp=time.time(), flavor="pagedchat",
@@ -48,7 +48,7 @@ class LocalEndpoint:
             prefix_queries=stats.prefix_cache_queries, prefix_hits=stats.prefix_cache_hits,
             preemptions=stats.num_preemptions_swap + stats.num_preemptions_recompute,
             generation_tokens=self._generation_tokens, ttft_sum=self._ttft_sum, ttft_count=self._ttft_count)
-        return Probe(up=True, model=info.model, max_model_len=info.max_model_len, metrics=metrics)
+        return Probe(up=True, model=info.label, max_model_len=info.max_model_len, metrics=metrics)
 
     def block_map(self) -> tuple[BlockMap, EngineInfo] | None:
         return self.block_map_cache.get(), self.client.info()

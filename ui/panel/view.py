@@ -103,7 +103,7 @@ def header_html(history: StatsHistory, info: EngineInfo, first_tokens: tuple[Fir
             f" / in {_metric('swapped-in', count('total_blocks_swapped_in'))}",
             f"median TTFT (last {RECENT_TTFT}) {_metric('ttft', ttft)}",
         ]),
-        html.escape(f"{info.model} on {info.device} ({info.dtype}, {info.kernels} kernels) · device pool "
+        html.escape(f"{info.label} on {info.device} ({info.dtype}, {info.kernels} kernels) · device pool "
                     f"{info.num_device_blocks} blocks × {info.block_size} tokens · host pool {info.num_host_blocks} blocks"),
     ]
     body = "".join(f"<div>{line}</div>" for line in lines)

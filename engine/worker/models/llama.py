@@ -17,10 +17,12 @@ import torch.nn.functional as F
 import kernels
 from engine.worker.models.layers.activation import silu_and_mul
 from engine.worker.models.layers.linear import Linear, settle_few_row_path
+from engine.worker.models.layers.quantized_linear import QuantizedLinear
 from engine.worker.models.layers.rms_norm import RMSNorm
 from engine.worker.models.layers.rotary import RotaryTable, rotate
 from engine.worker.models.layers.shape import DecoderShape
-from engine.worker.models.weights import DecoderWeights
+from engine.worker.models.weights import DecoderWeights, Weight
+from engine.worker.quantized.matrix import QuantizedMatrix
 
 
 @dataclass
@@ -37,11 +39,15 @@ class AttentionMetadata:
 @dataclass
 class LlamaLayer:
     input_norm: RMSNorm
-    qkv: Linear
-    o_proj: Linear
+    qkv: Linear | QuantizedLinear
+    o_proj: Linear | QuantizedLinear
     post_norm: RMSNorm
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | QuantizedLinear
+    down: Linear | QuantizedLinear
+
+
+def linear(weight: Weight, bias: torch.Tensor | None = None) -> Linear | QuantizedLinear:
+    return QuantizedLinear(weight, bias) if isinstance(weight, list) else Linear(weight, bias)
 
 
 class LlamaModel:
@@ -52,12 +58,15 @@ class LlamaModel:
         weights = DecoderWeights.of(hf_model, dtype, device)
         self.embed = weights.embed
         self.norm = RMSNorm(weights.norm, shape.eps)
-        self.tied = weights.lm_head is weights.embed
-        self.lm_head = Linear(weights.lm_head)
-        self.layers = [LlamaLayer(input_norm=RMSNorm(w.input_norm, shape.eps), qkv=Linear(w.qkv, w.qkv_bias),
-                                  o_proj=Linear(w.o_proj), post_norm=RMSNorm(w.post_norm, shape.eps),
-                                  gate_up=Linear(w.gate_up), down=Linear(w.down))
+        self.tied = weights.tied
+        self.lm_head = linear(weights.lm_head)
+        self.layers = [LlamaLayer(input_norm=RMSNorm(w.input_norm, shape.eps), qkv=linear(w.qkv, w.qkv_bias),
+                                  o_proj=linear(w.o_proj), post_norm=RMSNorm(w.post_norm, shape.eps),
+                                  gate_up=linear(w.gate_up), down=linear(w.down))
                        for w in weights.layers]
+        # Whether a GGUF file's quantized matrices were kept quantized (gguf_file.load_model).
+        self.quantized = isinstance(self.embed, QuantizedMatrix) or any(
+            isinstance(part, QuantizedLinear) for layer in self.layers for part in vars(layer).values())
         # Which weight layout one decoding chat streams fastest depends on the CPU: timed here, once.
         settle_few_row_path(
             [linear for layer in self.layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
@@ -90,7 +99,10 @@ class LlamaModel:
         read them back from the device on every step."""
         cos_sin = self.rotary.table[positions]  # [num_tokens, 2, head_dim]
         cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]
-        hidden = F.embedding(input_ids, self.embed)
+        if isinstance(self.embed, QuantizedMatrix):
+            hidden = self.embed.rows(input_ids).to(self.dtype)
+        else:
+            hidden = F.embedding(input_ids, self.embed)
         shape = self.shape
         q_size, kv_size, dim = shape.q_size, shape.kv_size, shape.head_dim
         for layer, (k_cache, v_cache) in zip(self.layers, self._layer_views(kv_cache)):

@@ -1,9 +1,17 @@
-"""The decoder's weights as every path computes with them, taken once from a transformers model."""
+"""The decoder's weights as every path computes with them, taken once from a transformers model.
+
+A projection's weight is a plain matrix, or, for a GGUF file served with its quantized weights
+(gguf_file.load_model(quantized=True)), the list of its quantized parts (q, k and v; gate and
+up), which the native matmul writes side by side."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from engine.worker.quantized.matrix import QuantizedMatrix
+
+Weight = torch.Tensor | list[QuantizedMatrix]
 
 
 def frozen(t: torch.Tensor | None) -> torch.nn.Parameter | None:
@@ -15,42 +23,73 @@ def frozen(t: torch.Tensor | None) -> torch.nn.Parameter | None:
 class LayerWeights:
     """One decoder layer's plain weights, q/k/v and gate/up concatenated (one matmul each)."""
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Weight
+    down: Weight
 
 
 @dataclass
 class DecoderWeights:
     """The decoder's weights as the engine computes with them, taken from a transformers model.
-    A tied output embedding is the input embedding itself (`lm_head is embed`)."""
-    embed: torch.Tensor
+    A tied output embedding is the input embedding itself (`lm_head is embed`, or for a quantized
+    one `lm_head == [embed]`)."""
+    embed: torch.Tensor | QuantizedMatrix
     norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: Weight
     layers: list[LayerWeights]
+
+    @property
+    def tied(self) -> bool:
+        return self.lm_head is self.embed or (isinstance(self.lm_head, list) and self.lm_head[0] is self.embed)
 
     @classmethod
     def of(cls, hf_model, dtype: torch.dtype, device: torch.device) -> DecoderWeights:
+        quantized: dict[str, QuantizedMatrix] = getattr(hf_model, "quantized_weights", None) or {}
+        parameters = dict(hf_model.named_parameters(remove_duplicate=False))
+
         def take(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device=device, dtype=dtype).contiguous()
 
-        inner = hf_model.model
-        embed = take(inner.embed_tokens.weight)
-        lm_head = hf_model.get_output_embeddings().weight
+        def projection(*names: str) -> Weight:
+            """The named matrices concatenated by rows: their quantized parts when all are kept so."""
+            weights = [f"{name}.weight" for name in names]
+            if all(weight in quantized for weight in weights):
+                return [quantized[weight] for weight in weights]
+            return take(torch.cat([quantized[w].dequantize() if w in quantized else parameters[w] for w in weights]))
+
+        def bias(*names: str) -> torch.Tensor | None:
+            biases = [parameters.get(f"{name}.bias") for name in names]
+            return take(torch.cat(biases)) if biases[0] is not None else None
+
+        embed = quantized.get("model.embed_tokens.weight")
+        if embed is None:
+            embed = take(parameters["model.embed_tokens.weight"])
+        if "lm_head.weight" in quantized:
+            lm_head = [quantized["lm_head.weight"]]
+        elif _tied(hf_model):
+            lm_head = [embed] if isinstance(embed, QuantizedMatrix) else embed
+        else:
+            lm_head = take(parameters["lm_head.weight"])
         layers = []
-        for layer in inner.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        for i in range(len(hf_model.model.layers)):
+            prefix = f"model.layers.{i}"
+            attn = [f"{prefix}.self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj")]
+            mlp = [f"{prefix}.mlp.{name}" for name in ("gate_proj", "up_proj")]
             layers.append(LayerWeights(
-                input_norm=take(layer.input_layernorm.weight),
-                qkv=take(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
-                qkv_bias=take(torch.cat(biases)) if biases[0] is not None else None,
-                o_proj=take(attn.o_proj.weight),
-                post_norm=take(layer.post_attention_layernorm.weight),
-                gate_up=take(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                down=take(mlp.down_proj.weight)))
-        tied = lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr()
-        return cls(embed, take(inner.norm.weight), embed if tied else take(lm_head), layers)
+                input_norm=take(parameters[f"{prefix}.input_layernorm.weight"]),
+                qkv=projection(*attn), qkv_bias=bias(*attn), o_proj=projection(f"{prefix}.self_attn.o_proj"),
+                post_norm=take(parameters[f"{prefix}.post_attention_layernorm.weight"]),
+                gate_up=projection(*mlp), down=projection(f"{prefix}.mlp.down_proj")))
+        return cls(embed, take(parameters["model.norm.weight"]), lm_head, layers)
+
+
+def _tied(hf_model) -> bool:
+    """The output embedding is the input one (a quantized model's are on the meta device, where
+    storage cannot tell: its config says)."""
+    inner, head = hf_model.model.embed_tokens.weight, hf_model.get_output_embeddings().weight
+    if head.is_meta or inner.is_meta:
+        return bool(getattr(hf_model.config, "tie_word_embeddings", False))
+    return head.data_ptr() == inner.data_ptr()

@@ -65,12 +65,14 @@ class Linear:
         return self.out_features * self.in_features + (self.bias.numel() if self.bias is not None else 0)
 
 
-def settle_few_row_path(linears: Sequence[Linear], rounds: int = 3) -> str:
+def settle_few_row_path(linears: Sequence[object], rounds: int = 3) -> str:
     """For weights kept both plain and packed (fp32 on a CPU), time one row through every one of
     `linears` each way, in the model's order so the weights stream from memory as in a decode
     step, and keep only the packed copy when it is faster. Returns "plain", "packed" or "fixed"
-    (nothing to choose). Costs a few model-sized passes (~0.1-0.2 s for a 135M model)."""
-    both = [linear for linear in linears if linear.weight is not None and linear.packed is not None]
+    (nothing to choose). Costs a few model-sized passes (~0.1-0.2 s for a 135M model). Other
+    kinds of layer among `linears` (quantized ones) are left as they are."""
+    both = [linear for linear in linears
+            if isinstance(linear, Linear) and linear.weight is not None and linear.packed is not None]
     if not both:
         return "fixed"
     rows = {n: torch.randn(1, n, dtype=both[0].weight.dtype) for n in {linear.in_features for linear in both}}

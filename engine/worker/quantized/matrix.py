@@ -1,0 +1,149 @@
+"""A weight matrix kept in its GGUF quantized form, multiplied natively on a CPU.
+
+`QuantizedMatrix.of(groups)` lays a tensor's groups (engine/worker/gguf_formats.unpack) out as
+the C loops in qmatmul.c read them (the layout is described there): quants in blocks of 8 output
+features, 4-bit formats (Q4_0, Q4_1, Q4_K) two to a byte, the others (Q8_0, Q5_K, Q6_K) one to
+an int8, and the formats' own scale factors beside them. Memory per weight, against the file's:
+Q4_0 5.0 bits (4.5), Q4_1 5.0 (5.0), Q4_K 4.6 (4.5), Q8_0 8.5 (8.5), Q6_K 8.6 (6.6), Q5_K 8.6 (5.5).
+
+`matmul(x)` quantizes x's rows to int8 per 32 (as llama.cpp does) and sums each group in
+integers; the result differs from `x @ dequantize().T` by the activations' rounding, at most
+sum |w| * dx / 2 per output (dx = a chunk's max |x| / 127). `rows(ids)` dequantizes rows (an
+embedding lookup).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.worker.gguf_formats import Groups
+from engine.worker.quantized import native
+
+LANES = 8
+CHUNK = 32
+
+
+def _lanes(t: torch.Tensor | None, padded: int) -> torch.Tensor | None:
+    """(out, n, 1) per-row factors -> (out / LANES, n, LANES), zero rows padded."""
+    if t is None:
+        return None
+    t = t.reshape(t.shape[0], -1)
+    t = torch.nn.functional.pad(t, (0, 0, 0, padded - t.shape[0]))
+    return t.view(padded // LANES, LANES, -1).transpose(1, 2).contiguous()
+
+
+@dataclass
+class QuantizedMatrix:
+    out_features: int
+    in_features: int
+    quants: torch.Tensor           # see qmatmul.c
+    d: torch.Tensor                # f16 (blocks, super-blocks, LANES)
+    sc: torch.Tensor | None        # int8 (blocks, groups, LANES)
+    dm: torch.Tensor | None
+    mn: torch.Tensor | None
+    group_size: int
+    groups_per_super: int
+    nibbles: bool
+    type_name: str = ""
+
+    @classmethod
+    def of(cls, groups: Groups, type_name: str = "") -> QuantizedMatrix:
+        """From a 2-D tensor's groups: quants (out, groups, group size)."""
+        out, num_groups, group = groups.quants.shape
+        columns = num_groups * group
+        if columns % CHUNK or group not in (16, 32):
+            raise ValueError(f"a quantized matrix needs rows of a multiple of {CHUNK} weights in groups "
+                             f"of 16 or 32, not {columns} in groups of {group}")
+        if groups.dm is not None and group != CHUNK:
+            raise ValueError("offsets are supported for groups of 32 only")
+        padded = -(-out // LANES) * LANES
+        blocks, chunks = padded // LANES, columns // CHUNK
+        q = torch.nn.functional.pad(groups.quants.reshape(out, columns), (0, 0, 0, padded - out))
+        nibbles = bool(q.dtype == torch.uint8 and (q.numel() == 0 or int(q.max()) < 16))
+        q = q.view(blocks, LANES, chunks, CHUNK)
+        if nibbles:
+            halves = q.view(blocks, LANES, chunks, 2, 4, 4)  # (.., low/high half, quad, i)
+            q = (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+        else:
+            q = q.view(torch.int8).view(blocks, LANES, chunks, 8, 4).permute(0, 2, 3, 1, 4)
+        return cls(out, columns, q.contiguous(), _lanes(groups.d, padded), _lanes(groups.sc, padded),
+                   _lanes(groups.dm, padded), _lanes(groups.mn, padded), group, groups.groups_per_super,
+                   nibbles, type_name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.quants, self.d, self.sc, self.dm, self.mn)
+                   if t is not None)
+
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 weights of rows `ids` (any shape) -> (*ids.shape, in_features)."""
+        flat = ids.reshape(-1).long()
+        block, lane = flat // LANES, flat % LANES
+        q = self.quants[block, :, :, lane]  # (n, chunks, quads, 4)
+        if self.nibbles:
+            q = torch.stack((q & 15, q >> 4), dim=2)  # (n, chunks, half, quad, 4)
+        q = q.reshape(len(flat), -1, self.group_size).float()
+        scale = self._per_group(self.d, self.sc, block, lane)
+        weights = q * scale
+        if self.dm is not None:
+            weights = weights + self._per_group(self.dm, self.mn, block, lane)
+        return weights.reshape(*ids.shape, self.in_features)
+
+    def _per_group(self, factor, per_group, block, lane) -> torch.Tensor:
+        value = factor[block, :, lane].float().repeat_interleave(self.groups_per_super, dim=1)
+        if per_group is not None:
+            value = value * per_group[block, :, lane].float()
+        return value.unsqueeze(-1)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features))
+
+
+class QuantizedActivations:
+    """Rows of x quantized once (`quantize_rows`), for every matrix that multiplies them."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        lib = native.library()
+        if lib is None:
+            raise RuntimeError(f"no native quantized matmul: {native.problem()}")
+        x = x.float().contiguous()
+        self.rows, self.in_features = x.shape
+        if self.in_features % CHUNK:
+            raise ValueError(f"rows of {self.in_features} values: a multiple of {CHUNK} is needed")
+        chunks = self.in_features // CHUNK
+        self.xq = torch.empty(x.shape, dtype=torch.int8)
+        self.dx = torch.empty(self.rows, chunks)
+        self.xsum = torch.empty(self.rows, chunks)
+        self.lib = lib
+        lib.quantize_rows(x.data_ptr(), self.rows, self.in_features, self.in_features,
+                          self.xq.data_ptr(), self.dx.data_ptr(), self.xsum.data_ptr())
+
+    def times(self, matrix: QuantizedMatrix, out: torch.Tensor) -> None:
+        """out[:, :matrix's padded width] = x @ W.T; `out` float32, rows contiguous, with room for
+        the padding to a multiple of 8 columns past out_features."""
+        if matrix.in_features != self.in_features:
+            raise ValueError(f"x has {self.in_features} columns, the matrix {matrix.in_features}")
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self.lib.qmatmul(self.xq.data_ptr(), self.dx.data_ptr(), self.xsum.data_ptr(), self.rows, self.in_features,
+                         matrix.quants.data_ptr(), matrix.d.data_ptr(), ptr(matrix.dm), ptr(matrix.sc), ptr(matrix.mn),
+                         matrix.group_size, matrix.groups_per_super, int(matrix.nibbles), matrix.quants.shape[0],
+                         out.data_ptr(), out.stride(0))
+
+
+def matmul(x: torch.Tensor, matrices: list[QuantizedMatrix]) -> torch.Tensor:
+    """x (rows, in) @ [W1; W2; ...].T as one float32 (rows, sum of out_features): the matrices'
+    outputs side by side (a fused q/k/v projection whose parts are in different formats)."""
+    total = sum(m.out_features for m in matrices)
+    out = torch.empty(x.shape[0], total + LANES)  # room for the last matrix's padding
+    if x.shape[0]:
+        activations = QuantizedActivations(x)
+        start = 0
+        for matrix in matrices:
+            # Each writes its padded width; a part's padding is overwritten by the next part.
+            activations.times(matrix, out[:, start:])
+            start += matrix.out_features
+    return out[:, :total]

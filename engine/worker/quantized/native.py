@@ -1,0 +1,113 @@
+"""The quantized matmul's C loops (qmatmul.c), compiled once per machine and loaded with ctypes.
+
+The library is built with the system's C compiler for this CPU's instructions (`-march=native`)
+into the compiled packages' folder (engine/worker/compiled_decode.packages_folder), named by a
+hash of the source, the compiler and the CPU, in about a second. It links the OpenMP runtime
+torch already loaded (libgomp.so.1), so its loops share torch's threads and thread count.
+Loading it runs native code in the engine's process, so the packages' rule applies
+(engine/worker/package_trust.py): only a library this user's build recorded, in a folder nobody
+else can write to, is loaded. `library()` returns None, with `problem()` saying why, where there
+is no compiler or the folder is not safe; the engine then dequantizes the weights instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+from engine.worker.package_trust import digest_problem, folder_problem, install
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qmatmul.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "quantize_rows": [_P, _I, _I, _I, _P, _P, _P],
+    "qmatmul": [_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I],
+}
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path(compiler: str) -> Path:
+    from engine.worker.compiled_decode import packages_folder
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    identity = "\n".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_flags()])
+    return packages_folder() / f"qmatmul-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
+
+
+def _build(compiler: str, out: Path) -> None:
+    staging = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")
+    try:
+        result = subprocess.run([compiler, *FLAGS, "-o", str(staging), str(SOURCE), "-lm"],
+                                capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+        install(staging, out)
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+def _load() -> ctypes.CDLL:
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH to build the quantized matmul with")
+    out = library_path(compiler)
+    out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    problem = folder_problem(out.parent)
+    if problem:
+        raise RuntimeError(f"not building or loading native code there: {problem}")
+    if not out.exists() or digest_problem(out) is not None:
+        _build(compiler, out)
+        log.info("built the quantized matmul: %s", out)
+    problem = digest_problem(out)
+    if problem:
+        raise RuntimeError(f"{out}: {problem}")
+    import torch  # noqa: F401  (its libgomp first: the library binds to the loaded one)
+
+    lib = ctypes.CDLL(str(out))
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, built first if needed; None where it cannot be (see `problem`)."""
+    with _lock:
+        if "lib" not in _state:
+            try:
+                _state["lib"] = _load()
+            except (RuntimeError, OSError, subprocess.SubprocessError) as error:
+                _state["lib"], _state["problem"] = None, str(error)
+                log.warning("no native quantized matmul: %s", error)
+        return _state["lib"]
+
+
+def problem() -> str | None:
+    """Why `library()` is None, or None when it loaded."""
+    library()
+    return _state.get("problem")
