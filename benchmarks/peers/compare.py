@@ -26,12 +26,32 @@ once per token). Start-up is to the first generated token, from process start.
 
 `--chats N` (default 32) shortens the workload for a smoke test; the figures above are of 32.
 
+**GGUF mode** (`--gguf FILE[,FILE...]`, `make bench-peers GGUF=...`; issue 34): ours and llama.cpp
+on THE SAME file each, the same workload and interleaved rounds, file after file. The file fixes
+the weights, so there are no dtypes: llama.cpp computes in its own way, ours runs the engine's
+`dtype=auto` (fp32 activations on a CPU without AMX or AVX-512 BF16) unless `--dtype` says
+otherwise. Names from benchmarks/peers/gguf_models.py stand for its files (`q4_1`: the embedded
+SmolLM2 Q4_1; `1b-q8_0`, `1b-q4_k_m`: the random 1B; `all`: the three), which that script makes.
+The workload's token ids come from each file's own tokenizer (the same ids for those three).
+`--quantization native,dequantize` runs ours once per value as separate systems
+(`engine-native`, ...; LLM's `quantization` option, not passed when the flag is absent);
+`--dense FOLDER` (`1b`: gguf_models.py's random 1B folder) adds ours on a transformers folder in
+`--dense-dtype` (bf16), the baseline of the issue's "one chat on Q4_K_M >= 2x our dense decode",
+printed for each file of the same parameter count. Each file is reported with its type
+(general.file_type), size and the single-chat bound of reading it once per token. Ours builds
+its compiled decode steps the first time for each model and dtype (minutes, more for a 1B) and
+times the chats after: `PAGEDCHAT_COMPILE=0` leaves them out of a smoke run.
+
+    .venv/bin/python benchmarks/peers/compare.py --gguf all [--quantization native,dequantize] [--dense 1b]
+    .venv/bin/python benchmarks/peers/compare.py --gguf q4_1 --chats 4 --output-tokens 8 --rounds 1  # smoke
+
 A system that is not set up or fails is reported as missing, with why; the rest still run.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -80,9 +100,15 @@ def run(command: list[str]) -> str:
     return done.stdout
 
 
-def engine(build: Path, workload: Path, dtype: str, output_tokens: int) -> dict:
-    return last_json(run([PYTHON, str(PEERS / "engine_offline.py"), str(workload), "--dtype", dtype,
-                          "--output-tokens", str(output_tokens)]))
+def engine(build: Path, workload: Path, dtype: str, output_tokens: int, model: Path | None = None,
+           quantization: str | None = None) -> dict:
+    command = [PYTHON, str(PEERS / "engine_offline.py"), str(workload), "--dtype", dtype,
+               "--output-tokens", str(output_tokens)]
+    if model is not None:
+        command += ["--model", str(model)]
+    if quantization is not None:
+        command += ["--quantization", quantization]
+    return last_json(run(command))
 
 
 def vllm(build: Path, workload: Path, dtype: str, output_tokens: int) -> dict:
@@ -92,11 +118,15 @@ def vllm(build: Path, workload: Path, dtype: str, output_tokens: int) -> dict:
                           "--dtype", dtype, "--output-tokens", str(output_tokens)]))
 
 
-def llamacpp(build: Path, workload: Path, dtype: str, output_tokens: int) -> dict:
-    bench, model = build / "llama-batched-bench", build / f"smollm2-135m-{GGUF[dtype]}.gguf"
-    for path in (bench, model):
-        if not path.exists():
-            raise RuntimeError(f"not set up ({path.name} missing): OUTTYPE={GGUF[dtype]} bash benchmarks/peers/llama_cpp.sh")
+def llamacpp(build: Path, workload: Path, dtype: str, output_tokens: int, model: Path | None = None) -> dict:
+    """`model`: a GGUF file to run (default: SmolLM2 converted to `dtype` by llama_cpp.sh)."""
+    bench = build / "llama-batched-bench"
+    if not bench.exists():
+        raise RuntimeError(f"not set up ({bench.name} missing): bash benchmarks/peers/llama_cpp.sh")
+    if model is None:
+        model = build / f"smollm2-135m-{GGUF[dtype]}.gguf"
+        if not model.exists():
+            raise RuntimeError(f"not set up ({model.name} missing): OUTTYPE={GGUF[dtype]} bash benchmarks/peers/llama_cpp.sh")
     prompts = json.loads(workload.read_text())["prompts"]
     prompt_len = round(statistics.mean(len(p) for p in prompts))
     threads = str(os.cpu_count())
@@ -138,10 +168,172 @@ def weight_bytes(dtype: str) -> int:
     return total * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
+def gguf_workload(build: Path, model: Path, chats: int) -> Path:
+    """The throughput workload in `model`'s own tokenizer (a GGUF file's or a folder's)."""
+    from benchmarks.throughput import SYSTEM_PROMPT, chat_prompt, questions
+    from engine.worker.model_loader import load_tokenizer
+
+    tokenizer = load_tokenizer(str(model))
+    prompts = [chat_prompt(tokenizer, SYSTEM_PROMPT, q) for q in questions(chats)]
+    path = build / f"workload-{model.stem}.json"
+    path.write_text(json.dumps({"model": str(model), "prompts": prompts}))
+    return path
+
+
+def dense_parameters(folder: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as tensors:
+            for name in tensors.keys():
+                total += math.prod(tensors.get_slice(name).get_shape())
+    return total
+
+
+def gguf_main(args, parser) -> None:
+    """--gguf mode: ours and llama.cpp on each file (and ours on --dense), rounds interleaved."""
+    import torch
+
+    from benchmarks.peers.gguf_models import dense_folder, expand, model_path
+    from engine.worker.gguf_file import inspect_gguf
+
+    systems = args.systems.split(",") if args.systems else ["engine", "llamacpp"]
+    if unknown := set(systems) - {"engine", "llamacpp"}:
+        parser.error(f"unknown systems {sorted(unknown)} for --gguf: choose from engine, llamacpp")
+    quantizations = args.quantization.split(",") if args.quantization else [None]
+    engines = {("engine" if q is None else f"engine-{q}"): q for q in quantizations}
+    entries = []  # (file or folder, what the table says of it)
+    for name in expand(args.gguf):
+        path = model_path(name, args.build)
+        if not path.is_file():
+            parser.error(f"no GGUF file at {path} (.venv/bin/python benchmarks/peers/gguf_models.py {name} makes ours)")
+        info = inspect_gguf(path)
+        entries.append((path, {"path": str(path), "type": info.file_type, "size_bytes": info.size_bytes,
+                               "parameters": info.num_parameters, "read_bytes": info.size_bytes}))
+    if args.dense:
+        folder = dense_folder(args.build) if args.dense == "1b" else Path(args.dense).expanduser()
+        if not (folder / "config.json").is_file():
+            parser.error(f"no transformers folder at {folder} (`--dense 1b`: gguf_models.py 1b-q4_k_m makes it)")
+        parameters = dense_parameters(folder)
+        element = torch.empty((), dtype=getattr(torch, args.dense_dtype)).element_size()
+        entries.append((folder, {"path": str(folder), "type": f"dense {args.dense_dtype}",
+                                 "size_bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors")),
+                                 "parameters": parameters, "read_bytes": parameters * element}))
+    bandwidth = read_bandwidth()
+
+    results: dict[str, dict] = {}
+    for path, facts in entries:
+        workload = gguf_workload(args.build, path, args.chats)
+        dense = facts["type"].startswith("dense")
+        runners = {}
+        if dense:  # ours only: the folder's weights as they are, in --dense-dtype
+            if "engine" in systems:
+                runners["engine"] = lambda: engine(args.build, workload, args.dense_dtype, args.output_tokens, path)
+        else:
+            for system in systems:
+                if system == "llamacpp":
+                    runners[system] = lambda: llamacpp(args.build, workload, "gguf", args.output_tokens, path)
+                else:
+                    for label, q in engines.items():
+                        runners[label] = (lambda q=q: engine(args.build, workload, args.dtype, args.output_tokens, path, q))
+        bound = bandwidth * 1e9 / facts["read_bytes"]
+        row = {**facts, "single_bound_tok_s": round(bound, 1), "missing": {}}
+        runs: dict[str, list[dict]] = {system: [] for system in runners}
+        for turn in range(args.rounds):
+            for system, runner in runners.items():
+                if system in row["missing"]:
+                    continue
+                try:
+                    figures = runner()
+                except (RuntimeError, ValueError, subprocess.TimeoutExpired) as error:
+                    row["missing"][system] = str(error)
+                    runs[system] = []
+                    print(f"{system} {path.name}: missing: {error}", flush=True)
+                    continue
+                # the 1-minute load average as the run ends: above the run's own threads, a neighbour
+                # shared the cores (the machine's figure, not the code's)
+                figures["load_1m"] = round(os.getloadavg()[0], 2)
+                runs[system].append(figures)
+                print(f"round {turn + 1}/{args.rounds}: {system} {path.name} ({figures['dtype']}): {figures['tok_s']} "
+                      f"tok/s at {figures.get('chats')} chats, {figures['single_tok_s']} tok/s alone, "
+                      f"start-up {figures['startup_s']} s, load {figures['load_1m']}", flush=True)
+        for system, figures in runs.items():
+            if not figures:
+                continue
+            row[f"{system}_dtype"] = figures[0]["dtype"]
+            for key in ("tok_s", "single_tok_s", "startup_s"):
+                row[f"{system}_{key}"] = round(statistics.median(f[key] for f in figures), 2)
+                row[f"{system}_{key}_rounds"] = [f[key] for f in figures]
+            row[f"{system}_single_bound_share"] = round(row[f"{system}_single_tok_s"] / bound, 3)
+            row[f"{system}_load_1m_rounds"] = [f["load_1m"] for f in figures]
+            if system.startswith("engine"):
+                row[f"{system}_compiled_rounds"] = [f.get("compiled") for f in figures]
+        for system in runs:
+            if system.startswith("engine") and runs[system] and runs.get("llamacpp"):
+                for key, name in (("tok_s", f"{system}_over_llamacpp"), ("single_tok_s", f"{system}_over_llamacpp_single")):
+                    row[name] = round(row[f"{system}_{key}"] / row[f"llamacpp_{key}"], 2)
+                    row[f"{name}_rounds"] = [round(e[key] / p[key], 2) for e, p in zip(runs[system], runs["llamacpp"])]
+        results[path.name] = row
+
+    # The issue's dense baseline: a file's engine single chat over ours on the dense folder of the
+    # same model (same parameter count within 1%: the tied head counted once in both).
+    denses = [(name, row) for name, row in results.items() if row["type"].startswith("dense") and "engine_single_tok_s" in row]
+    for name, row in results.items():
+        for dense_name, dense_row in denses:
+            if name != dense_name and abs(row["parameters"] / dense_row["parameters"] - 1) < 0.01:
+                for system in [s for s in engines if f"{s}_single_tok_s" in row]:
+                    row[f"{system}_over_dense_single"] = round(row[f"{system}_single_tok_s"] / dense_row["engine_single_tok_s"], 2)
+                row["dense"] = dense_name
+
+    print()
+    print(f"{cpu_model()}, {os.cpu_count()} cores; read bandwidth {bandwidth:.1f} GB/s; medians of {args.rounds} "
+          f"round(s); {args.chats} chats x {args.output_tokens} tokens, then 1 chat")
+    header = (f"{'file':<34} {'type':<14} {'MB':>6} {'system':<19} {f'{args.chats} chats tok/s':>15} "
+              f"{'1 chat tok/s':>13} {'share of bound':>15} {'start-up s':>11}")
+    print(header)
+    print("-" * len(header))
+    for name, row in results.items():
+        first = f"{name:<34} {row['type']:<14} {row['size_bytes'] / 1e6:>6.0f}"
+        blank = " " * len(first)
+        listed = [s for s in runs_order(row, engines) if f"{s}_tok_s" in row or s in row["missing"]]
+        for i, system in enumerate(listed):
+            lead = first if i == 0 else blank
+            label = f"{system} ({row[f'{system}_dtype']})" if system.startswith("engine") and f"{system}_dtype" in row else system
+            if f"{system}_tok_s" not in row:
+                print(f"{lead} {label:<19} {'missing':>15}")
+                continue
+            print(f"{lead} {label:<19} {row[f'{system}_tok_s']:>15.1f} {row[f'{system}_single_tok_s']:>13.1f} "
+                  f"{row[f'{system}_single_bound_share']:>15.0%} {row[f'{system}_startup_s']:>11.1f}")
+        print(f"{blank} {'bound':<19} {'':>15} {row['single_bound_tok_s']:>13.1f}   (read bandwidth / bytes read per token)")
+        for system in engines:
+            if f"{system}_over_llamacpp" in row:
+                print(f"{blank} {system} / llamacpp: {row[f'{system}_over_llamacpp']:.2f}x "
+                      f"(rounds {row[f'{system}_over_llamacpp_rounds']}), {row[f'{system}_over_llamacpp_single']:.2f}x alone "
+                      f"(rounds {row[f'{system}_over_llamacpp_single_rounds']})")
+            if f"{system}_over_dense_single" in row:
+                print(f"{blank} {system} alone / dense {row['dense']}: {row[f'{system}_over_dense_single']:.2f}x")
+    print(json.dumps({"cpu": cpu_model(), "cores": os.cpu_count(), "read_gb_s": round(bandwidth, 1),
+                      "chats": args.chats, "output_tokens": args.output_tokens, "rounds": args.rounds,
+                      "gguf": results}))
+
+
+def runs_order(row: dict, engines: dict) -> list[str]:
+    return [*engines, "llamacpp"] if not row["type"].startswith("dense") else ["engine"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--systems", default=None, help=f"default: {','.join(SYSTEMS)} (--gguf: engine,llamacpp)")
+    parser.add_argument("--gguf", default=None, metavar="FILE[,FILE...]",
+                        help="GGUF mode: these files (paths, or gguf_models.py's names: q4_1, 1b-q8_0, 1b-q4_k_m, all)")
+    parser.add_argument("--dtype", default="auto", help="--gguf: ours' dtype (default: the engine's auto)")
+    parser.add_argument("--quantization", default=None,
+                        help="--gguf: comma list of LLM's quantization option, one engine system each (default: not passed)")
+    parser.add_argument("--dense", default=None, metavar="FOLDER",
+                        help="--gguf: also ours on this transformers folder (1b: gguf_models.py's random 1B)")
+    parser.add_argument("--dense-dtype", default="bfloat16", help="--dense's dtype (default %(default)s)")
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--chats", type=int, default=32, help="chats in the workload (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every system, interleaved (default 3)")
@@ -151,10 +343,15 @@ def main() -> None:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.chats < 1:
         parser.error(f"--chats must be at least 1, got {args.chats}")
-    dtypes, systems = args.dtypes.split(","), args.systems.split(",")
+    args.build.mkdir(parents=True, exist_ok=True)
+    if args.gguf:
+        gguf_main(args, parser)
+        return
+    if args.dense or args.quantization:
+        parser.error("--dense and --quantization go with --gguf")
+    dtypes, systems = args.dtypes.split(","), (args.systems or ",".join(SYSTEMS)).split(",")
     if unknown := set(systems) - set(SYSTEMS):
         parser.error(f"unknown systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
-    args.build.mkdir(parents=True, exist_ok=True)
     workload = args.build / "workload.json"
     from benchmarks.peers.workload import write_workload
 

@@ -5,7 +5,13 @@ once, then one chat alone; greedy, EOS ignored, token ids as given. The compiled
 start-up, or are built there the first time on a machine (~2.5 min): the chats are timed once
 they are ready, and the time they were ready at is reported beside the start-up.
 
+`--model` names another model than the embedded default: a GGUF file (compare.py --gguf) or a
+transformers folder (--dense); `--dtype auto` is the engine's own choice, reported as the dtype
+it ran. `--quantization native|dequantize|auto` is passed to `LLM` only when given, so the script
+runs on an engine that has no such option yet (today's: every GGUF dequantized at load).
+
     .venv/bin/python benchmarks/peers/engine_offline.py /tmp/workload.json [--dtype bfloat16]
+        [--model FILE.gguf|FOLDER] [--quantization native]
 """
 from __future__ import annotations
 
@@ -23,12 +29,18 @@ from benchmarks.peers.offline_run import measure_and_report, parse_args  # noqa:
 
 
 def main() -> None:
-    args, workload = parse_args(__doc__)
+    def options(parser) -> None:
+        parser.add_argument("--model", default=None, help="GGUF file or model folder (default: the embedded SmolLM2)")
+        parser.add_argument("--quantization", default=None, help="LLM's quantization option (not passed unless given)")
+
+    args, workload = parse_args(__doc__, options)
     prompts = workload["prompts"]
 
     from engine import LLM, SamplingParams
 
-    llm = LLM(None, dtype=args.dtype)
+    extra = {} if args.quantization is None else {"quantization": args.quantization}
+    llm = LLM(args.model, dtype=args.dtype, **extra)
+    dtype = str(llm.engine.dtype).removeprefix("torch.")  # what "auto" chose
     llm.generate([prompts[-1]], SamplingParams(temperature=0, max_tokens=1))
     startup = time.perf_counter() - STARTED
     compiled = llm.engine.compiled
@@ -40,8 +52,9 @@ def main() -> None:
     def generate(batch: list[list[int]]) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(batch, greedy)]
 
-    measure_and_report("engine", "PagedChat engine", args.dtype, cpu_model(), startup, generate, prompts,
-                       args.output_tokens, extra={"compiled_ready_s": round(ready, 1),
+    measure_and_report("engine", "PagedChat engine", dtype, cpu_model(), startup, generate, prompts,
+                       args.output_tokens, extra={"model": args.model, "quantization": args.quantization,
+                                                  "compiled_ready_s": round(ready, 1),
                                                   "compiled": bool(compiled is not None and compiled.ready),
                                                   "compiled_batch": bool(compiled is not None and compiled.batch_ready)})
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-server (from the llama-cpp-python sdist, which vendors llama.cpp and its
-# convert_hf_to_gguf.py) and converts the default model to a GGUF of the engine's precision, all
-# under benchmarks/peers/.build (ignored). Takes ~10-15 min on 2 cores; run it alone.
+# Builds llama.cpp's llama-server, llama-batched-bench and llama-quantize (from the llama-cpp-python
+# sdist, which vendors llama.cpp and its convert_hf_to_gguf.py) and converts the default model to a
+# GGUF of the engine's precision, all under benchmarks/peers/.build (ignored). Takes ~10-15 min on
+# 2 cores; run it alone.
 #
 #   bash benchmarks/peers/llama_cpp.sh            # then, as the script prints at the end:
 #   benchmarks/peers/.build/llama-server -m benchmarks/peers/.build/smollm2-135m-f32.gguf --port 8080 ...
@@ -20,12 +21,13 @@ if [ ! -d llama_cpp_python ]; then
 fi
 SRC="$BUILD/llama_cpp_python/vendor/llama.cpp"
 # llama-server for the app's remote-backend comparison; llama-batched-bench for `make bench-peers`
-# (all chats in one context, the shared prompt decoded once).
-if [ ! -x "$BUILD/llama-server" ] || [ ! -x "$BUILD/llama-batched-bench" ]; then
+# (all chats in one context, the shared prompt decoded once); llama-quantize for the 1B benchmark
+# GGUFs (benchmarks/peers/gguf_models.py: Q8_0 and Q4_K_M from the converter's f32 file).
+if [ ! -x "$BUILD/llama-server" ] || [ ! -x "$BUILD/llama-batched-bench" ] || [ ! -x "$BUILD/llama-quantize" ]; then
     cmake -S "$SRC" -B "$BUILD/cmake" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
-    cmake --build "$BUILD/cmake" --target llama-server llama-batched-bench -j "$(nproc)" >/dev/null
-    cp "$BUILD/cmake/bin/llama-server" "$BUILD/cmake/bin/llama-batched-bench" "$BUILD/"
+    cmake --build "$BUILD/cmake" --target llama-server llama-batched-bench llama-quantize -j "$(nproc)" >/dev/null
+    cp "$BUILD/cmake/bin/llama-server" "$BUILD/cmake/bin/llama-batched-bench" "$BUILD/cmake/bin/llama-quantize" "$BUILD/"
 fi
 MODEL_DIR=$("$PY" -c "from engine.worker.model_loader import resolve_model; print(resolve_model(None))")
 GGUF="$BUILD/smollm2-135m-$OUTTYPE.gguf"
@@ -42,5 +44,6 @@ if [ ! -f "$GGUF" ]; then
         --outtype "$OUTTYPE" --outfile "$GGUF" >/dev/null
 fi
 echo "llama-server: $BUILD/llama-server"
+echo "llama-quantize: $BUILD/llama-quantize"
 echo "model:        $GGUF"
 echo "run:          $BUILD/llama-server -m $GGUF --host 127.0.0.1 --port 8080 -c 16384 -np 16 -t $(nproc) --alias SmolLM2-135M-Instruct"

@@ -10,12 +10,16 @@ import time
 from collections.abc import Callable
 
 
-def parse_args(doc: str) -> tuple[argparse.Namespace, dict]:
-    """The command line every offline script takes, and the workload file it names."""
+def parse_args(doc: str, options: Callable[[argparse.ArgumentParser], None] | None = None,
+               ) -> tuple[argparse.Namespace, dict]:
+    """The command line every offline script takes, and the workload file it names; `options`
+    adds a script's own."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workload")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output-tokens", type=int, default=128)
+    if options is not None:
+        options(parser)
     args = parser.parse_args()
     with open(args.workload) as file:
         return args, json.load(file)
