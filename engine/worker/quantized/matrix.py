@@ -106,8 +106,8 @@ class QuantizedMatrix:
 class QuantizedActivations:
     """Rows of x quantized once (`quantize_rows`), for every matrix that multiplies them."""
 
-    def __init__(self, x: torch.Tensor) -> None:
-        lib = native.library()
+    def __init__(self, x: torch.Tensor, levels: int = 2, lib=None) -> None:
+        lib = lib or native.library()
         if lib is None:
             raise RuntimeError(f"no native quantized matmul: {native.problem()}")
         x = x.float().contiguous()
@@ -115,11 +115,12 @@ class QuantizedActivations:
         if self.in_features % CHUNK:
             raise ValueError(f"rows of {self.in_features} values: a multiple of {CHUNK} is needed")
         chunks = self.in_features // CHUNK
-        self.xq = torch.empty(x.shape, dtype=torch.int8)
-        self.dx = torch.empty(self.rows, chunks)
+        self.levels = levels
+        self.xq = torch.empty((levels, *x.shape), dtype=torch.int8)
+        self.dx = torch.empty(levels, self.rows, chunks)
         self.xsum = torch.empty(self.rows, chunks)
         self.lib = lib
-        lib.quantize_rows(x.data_ptr(), self.rows, self.in_features, self.in_features,
+        lib.quantize_rows(x.data_ptr(), self.rows, self.in_features, self.in_features, levels,
                           self.xq.data_ptr(), self.dx.data_ptr(), self.xsum.data_ptr())
 
     def times(self, matrix: QuantizedMatrix, out: torch.Tensor) -> None:
@@ -129,18 +130,19 @@ class QuantizedActivations:
             raise ValueError(f"x has {self.in_features} columns, the matrix {matrix.in_features}")
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self.lib.qmatmul(self.xq.data_ptr(), self.dx.data_ptr(), self.xsum.data_ptr(), self.rows, self.in_features,
+                         self.levels,
                          matrix.quants.data_ptr(), matrix.d.data_ptr(), ptr(matrix.dm), ptr(matrix.sc), ptr(matrix.mn),
                          matrix.group_size, matrix.groups_per_super, int(matrix.nibbles), matrix.quants.shape[0],
                          out.data_ptr(), out.stride(0))
 
 
-def matmul(x: torch.Tensor, matrices: list[QuantizedMatrix]) -> torch.Tensor:
+def matmul(x: torch.Tensor, matrices: list[QuantizedMatrix], levels: int = 2, lib=None) -> torch.Tensor:
     """x (rows, in) @ [W1; W2; ...].T as one float32 (rows, sum of out_features): the matrices'
     outputs side by side (a fused q/k/v projection whose parts are in different formats)."""
     total = sum(m.out_features for m in matrices)
     out = torch.empty(x.shape[0], total + LANES)  # room for the last matrix's padding
     if x.shape[0]:
-        activations = QuantizedActivations(x)
+        activations = QuantizedActivations(x, levels, lib)
         start = 0
         for matrix in matrices:
             # Each writes its padded width; a part's padding is overwritten by the next part.

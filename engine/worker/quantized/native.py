@@ -32,8 +32,8 @@ _state: dict[str, object] = {}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
-    "quantize_rows": [_P, _I, _I, _I, _P, _P, _P],
-    "qmatmul": [_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I],
+    "quantize_rows": [_P, _I, _I, _I, _I, _P, _P, _P],
+    "qmatmul": [_P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I],
 }
 
 

@@ -28,7 +28,7 @@
 #define CHUNK 32
 
 typedef struct {
-    const int8_t *xq; const float *dx; const float *xsum; int64_t chunks;  /* chunks = in / 32 */
+    const int8_t *xq; const float *dx; const float *xsum; int64_t chunks, rows;  /* chunks = in / 32 */
     const uint8_t *q; const _Float16 *d; const _Float16 *dm; const int8_t *sc; const int8_t *mn;
     int64_t sg; float *y; int64_t y_stride;
 } Args;
@@ -69,50 +69,61 @@ static inline __m256 load_offset(const Args *a, int64_t b, int64_t g, int64_t gr
 
 static inline __m256i broadcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
-/* Lane block b's outputs for rows r0 .. r0+MT-1; MT, GS, NIBBLES are constants at each call. */
-static inline __attribute__((always_inline)) void block_rows(const Args *a, int64_t b, int64_t r0,
-                                                             const int MT, const int GS, const int NIBBLES) {
-    const int64_t groups = a->chunks * CHUNK / GS;
+/* Lane block b's outputs for rows r0 .. r0+MT-1; MT, GS, NIBBLES, LEVELS are constants at each
+   call. Level 1 is the rounded row, level 2 (when LEVELS is 2) what rounding left out. */
+static inline __attribute__((always_inline)) void block_rows(const Args *a, int64_t b, int64_t r0, const int MT,
+                                                             const int GS, const int NIBBLES, const int LEVELS) {
+    const int64_t groups = a->chunks * CHUNK / GS, level_stride = a->rows * a->chunks;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
     __m256 acc[4];
     for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c < a->chunks; c++) {
-        const int8_t *xq[4];
-        for (int r = 0; r < MT; r++) xq[r] = a->xq + (r0 + r) * a->chunks * CHUNK + c * CHUNK;
-        __m256i dot[4][2];  /* [row][half of the chunk] for 16-wide groups; [row][0] for 32 */
-        for (int r = 0; r < MT; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+        const int8_t *xq[2][4];
+        for (int v = 0; v < LEVELS; v++)
+            for (int r = 0; r < MT; r++) xq[v][r] = a->xq + ((v * level_stride) + (r0 + r) * a->chunks + c) * CHUNK;
+        __m256i dot[2][4][2];  /* [level][row][half of the chunk] (halves for 16-wide groups) */
+        for (int v = 0; v < LEVELS; v++)
+            for (int r = 0; r < MT; r++) dot[v][r][0] = dot[v][r][1] = _mm256_setzero_si256();
         if (NIBBLES) {
+            /* 16-bit sums hold a whole chunk: 4 quads x 2 nibbles x 2 products x 15 x 127 < 2^15. */
+            __m256i pairs[2][4];
+            for (int v = 0; v < LEVELS; v++)
+                for (int r = 0; r < MT; r++) pairs[v][r] = _mm256_setzero_si256();
             const uint8_t *p = a->q + (b * a->chunks + c) * (CHUNK / 2) * LANES;
             for (int t = 0; t < 4; t++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + t * 32));
-                const __m256i lo = _mm256_and_si256(v, low4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                for (int r = 0; r < MT; r++) {
-                    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xq[r] + 4 * t)),
-                                                           _mm256_maddubs_epi16(hi, broadcast4(xq[r] + 16 + 4 * t)));
-                    dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(pairs, ones));
-                }
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(p + t * 32));
+                const __m256i lo = _mm256_and_si256(w, low4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+                for (int v = 0; v < LEVELS; v++)
+                    for (int r = 0; r < MT; r++)
+                        pairs[v][r] = _mm256_add_epi16(pairs[v][r], _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, broadcast4(xq[v][r] + 4 * t)),
+                            _mm256_maddubs_epi16(hi, broadcast4(xq[v][r] + 16 + 4 * t))));
             }
+            for (int v = 0; v < LEVELS; v++)
+                for (int r = 0; r < MT; r++) dot[v][r][0] = _mm256_madd_epi16(pairs[v][r], ones);
         } else {
             const int8_t *p = (const int8_t *)a->q + (b * a->chunks + c) * CHUNK * LANES;
             for (int t = 0; t < 8; t++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(p + t * 32));
                 const __m256i w_abs = _mm256_sign_epi8(w, w);
-                for (int r = 0; r < MT; r++) {
-                    /* |w| * (x with w's sign): the unsigned-by-signed form vpmaddubsw takes. */
-                    const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(broadcast4(xq[r] + 4 * t), w));
-                    const int h = GS == 16 ? t / 4 : 0;
-                    dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(pairs, ones));
-                }
+                const int h = GS == 16 ? t / 4 : 0;
+                for (int v = 0; v < LEVELS; v++)
+                    for (int r = 0; r < MT; r++) {
+                        /* |w| * (x with w's sign): the unsigned-by-signed form vpmaddubsw takes. */
+                        const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(broadcast4(xq[v][r] + 4 * t), w));
+                        dot[v][r][h] = _mm256_add_epi32(dot[v][r][h], _mm256_madd_epi16(pairs, ones));
+                    }
             }
         }
         const int64_t g0 = c * CHUNK / GS;
         for (int h = 0; h < CHUNK / GS; h++) {
             const __m256 scale = load_scale(a, b, g0 + h, groups);
-            for (int r = 0; r < MT; r++) {
-                const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(a->dx[(r0 + r) * a->chunks + c]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), s, acc[r]);
-            }
+            for (int v = 0; v < LEVELS; v++)
+                for (int r = 0; r < MT; r++) {
+                    const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(a->dx[v * level_stride + (r0 + r) * a->chunks + c]));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[v][r][h]), s, acc[r]);
+                }
         }
         if (a->dm) {
             const __m256 offset = load_offset(a, b, g0, groups);
@@ -125,30 +136,32 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
 
 #else  /* the same sums, one lane at a time */
 
-static inline __attribute__((always_inline)) void block_rows(const Args *a, int64_t b, int64_t r0,
-                                                             const int MT, const int GS, const int NIBBLES) {
-    const int64_t groups = a->chunks * CHUNK / GS;
+static inline __attribute__((always_inline)) void block_rows(const Args *a, int64_t b, int64_t r0, const int MT,
+                                                             const int GS, const int NIBBLES, const int LEVELS) {
+    const int64_t groups = a->chunks * CHUNK / GS, level_stride = a->rows * a->chunks;
     for (int r = 0; r < MT; r++) {
         float acc[LANES] = {0};
         for (int64_t c = 0; c < a->chunks; c++) {
-            const int8_t *xq = a->xq + (r0 + r) * a->chunks * CHUNK + c * CHUNK;
             for (int h = 0; h < CHUNK / GS; h++) {
                 float scale[LANES], offset[LANES];
                 group_scale(a, b, c * CHUNK / GS + h, groups, scale, h == 0 ? offset : NULL);
                 for (int l = 0; l < LANES; l++) {
-                    int32_t dot = 0;
-                    for (int k = h * GS; k < (h + 1) * GS; k++) {
-                        const int t = k % 16 / 4, i = k % 4;
-                        int q;
-                        if (NIBBLES) {
-                            const uint8_t v = a->q[((b * a->chunks + c) * 4 + t) * 32 + l * 4 + i];
-                            q = k < 16 ? v & 15 : v >> 4;
-                        } else {
-                            q = ((const int8_t *)a->q)[((b * a->chunks + c) * 8 + k / 4) * 32 + l * 4 + i];
+                    for (int v = 0; v < LEVELS; v++) {
+                        const int64_t row_chunk = v * level_stride + (r0 + r) * a->chunks + c;
+                        const int8_t *xq = a->xq + row_chunk * CHUNK;
+                        int32_t dot = 0;
+                        for (int k = h * GS; k < (h + 1) * GS; k++) {
+                            int q;
+                            if (NIBBLES) {
+                                const uint8_t byte = a->q[((b * a->chunks + c) * 4 + k % 16 / 4) * 32 + l * 4 + k % 4];
+                                q = k < 16 ? byte & 15 : byte >> 4;
+                            } else {
+                                q = ((const int8_t *)a->q)[((b * a->chunks + c) * 8 + k / 4) * 32 + l * 4 + k % 4];
+                            }
+                            dot += q * xq[k];
                         }
-                        dot += q * xq[k];
+                        acc[l] += (float)dot * scale[l] * a->dx[row_chunk];
                     }
-                    acc[l] += (float)dot * scale[l] * a->dx[(r0 + r) * a->chunks + c];
                     if (h == 0 && a->dm) acc[l] += offset[l] * a->xsum[(r0 + r) * a->chunks + c];
                 }
             }
@@ -158,42 +171,61 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
 }
 #endif
 
+/* Rows in tiles of 4 (2 with two levels, which hold twice the sums in registers). */
 static inline __attribute__((always_inline)) void block(const Args *a, int64_t b, int64_t rows,
-                                                        const int GS, const int NIBBLES) {
+                                                        const int GS, const int NIBBLES, const int LEVELS) {
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) block_rows(a, b, r, 4, GS, NIBBLES);
-    switch (rows - r) {
-        case 3: block_rows(a, b, r, 3, GS, NIBBLES); break;
-        case 2: block_rows(a, b, r, 2, GS, NIBBLES); break;
-        case 1: block_rows(a, b, r, 1, GS, NIBBLES); break;
+    if (LEVELS == 1) {
+        for (; r + 4 <= rows; r += 4) block_rows(a, b, r, 4, GS, NIBBLES, 1);
+        if (rows - r == 3) { block_rows(a, b, r, 3, GS, NIBBLES, 1); r += 3; }
     }
+    for (; r + 2 <= rows; r += 2) block_rows(a, b, r, 2, GS, NIBBLES, LEVELS);
+    if (r < rows) block_rows(a, b, r, 1, GS, NIBBLES, LEVELS);
 }
 
-/* Row r of x [rows, in] (row stride x_stride) as int8 per 32 values: xq [rows, in], with each
-   chunk's scale dx and float sum xsum [rows, in/32]. */
-void quantize_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, int8_t *xq, float *dx, float *xsum) {
+/* Row r of x [rows, in] (row stride x_stride) as int8 per 32 values, in `levels` levels: level 1
+   is round(x / dx) with dx = max|x| / 127 (llama.cpp's q8 rows), level 2 the same of what level 1
+   left out (x less its rounding: within dx / 2), so two levels carry x to ~1/32000 of the chunk's
+   largest value. xq [levels, rows, in], dx [levels, rows, in/32]; xsum [rows, in/32] the float
+   sums (for the offsets). */
+void quantize_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
+                   int8_t *xq, float *dx, float *xsum) {
     const int64_t chunks = in / CHUNK;
     #pragma omp parallel for schedule(static) if (rows * chunks >= 1024)
     for (int64_t rc = 0; rc < rows * chunks; rc++) {
-        const float *v = x + rc / chunks * x_stride + rc % chunks * CHUNK;
-        float amax = 0.0f, sum = 0.0f;
-        for (int i = 0; i < CHUNK; i++) { amax = fmaxf(amax, fabsf(v[i])); sum += v[i]; }
-        const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int i = 0; i < CHUNK; i++) xq[rc * CHUNK + i] = (int8_t)lrintf(v[i] * inverse);
-        dx[rc] = amax / 127.0f;
+        float v[CHUNK], sum = 0.0f;
+        memcpy(v, x + rc / chunks * x_stride + rc % chunks * CHUNK, sizeof(v));
+        for (int i = 0; i < CHUNK; i++) sum += v[i];
         xsum[rc] = sum;
+        for (int64_t level = 0; level < levels; level++) {
+            float amax = 0.0f;
+            for (int i = 0; i < CHUNK; i++) amax = fmaxf(amax, fabsf(v[i]));
+            const float step = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *out = xq + (level * rows * chunks + rc) * CHUNK;
+            for (int i = 0; i < CHUNK; i++) {
+                out[i] = (int8_t)lrintf(v[i] * inverse);
+                v[i] -= (float)out[i] * step;
+            }
+            dx[level * rows * chunks + rc] = step;
+        }
     }
 }
 
 /* y [rows, blocks * LANES] (row stride y_stride) from rows quantized by quantize_rows. */
-void qmatmul(const int8_t *xq, const float *dx, const float *xsum, int64_t rows, int64_t in,
+void qmatmul(const int8_t *xq, const float *dx, const float *xsum, int64_t rows, int64_t in, int64_t levels,
              const uint8_t *q, const _Float16 *d, const _Float16 *dm, const int8_t *sc, const int8_t *mn,
              int64_t gs, int64_t sg, int64_t nibbles, int64_t blocks, float *y, int64_t y_stride) {
-    const Args a = {xq, dx, xsum, in / CHUNK, q, d, dm, sc, mn, sg, y, y_stride};
+    const Args a = {xq, dx, xsum, in / CHUNK, rows, q, d, dm, sc, mn, sg, y, y_stride};
     #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        if (nibbles) block(&a, b, rows, 32, 1);
-        else if (gs == 16) block(&a, b, rows, 16, 0);
-        else block(&a, b, rows, 32, 0);
+        if (levels == 2) {
+            if (nibbles) block(&a, b, rows, 32, 1, 2);
+            else if (gs == 16) block(&a, b, rows, 16, 0, 2);
+            else block(&a, b, rows, 32, 0, 2);
+        } else {
+            if (nibbles) block(&a, b, rows, 32, 1, 1);
+            else if (gs == 16) block(&a, b, rows, 16, 0, 1);
+            else block(&a, b, rows, 32, 0, 1);
+        }
     }
 }
