@@ -262,6 +262,8 @@ def gguf_main(args, parser) -> None:
             if not figures:
                 continue
             row[f"{system}_dtype"] = figures[0]["dtype"]
+            if figures[0].get("quantization_used"):
+                row[f"{system}_quantization_used"] = figures[0]["quantization_used"]
             for key in ("tok_s", "single_tok_s", "startup_s"):
                 row[f"{system}_{key}"] = round(statistics.median(f[key] for f in figures), 2)
                 row[f"{system}_{key}_rounds"] = [f[key] for f in figures]
@@ -289,7 +291,7 @@ def gguf_main(args, parser) -> None:
     print()
     print(f"{cpu_model()}, {os.cpu_count()} cores; read bandwidth {bandwidth:.1f} GB/s; medians of {args.rounds} "
           f"round(s); {args.chats} chats x {args.output_tokens} tokens, then 1 chat")
-    header = (f"{'file':<34} {'type':<14} {'MB':>6} {'system':<19} {f'{args.chats} chats tok/s':>15} "
+    header = (f"{'file':<34} {'type':<14} {'MB':>6} {'system':<28} {f'{args.chats} chats tok/s':>15} "
               f"{'1 chat tok/s':>13} {'share of bound':>15} {'start-up s':>11}")
     print(header)
     print("-" * len(header))
@@ -299,13 +301,16 @@ def gguf_main(args, parser) -> None:
         listed = [s for s in runs_order(row, engines) if f"{s}_tok_s" in row or s in row["missing"]]
         for i, system in enumerate(listed):
             lead = first if i == 0 else blank
-            label = f"{system} ({row[f'{system}_dtype']})" if system.startswith("engine") and f"{system}_dtype" in row else system
+            label = system
+            if system.startswith("engine") and f"{system}_dtype" in row:
+                used = row.get(f"{system}_quantization_used")
+                label = f"{system} ({row[f'{system}_dtype']}{', ' + used if used and system == 'engine' else ''})"
             if f"{system}_tok_s" not in row:
-                print(f"{lead} {label:<19} {'missing':>15}")
+                print(f"{lead} {label:<28} {'missing':>15}")
                 continue
-            print(f"{lead} {label:<19} {row[f'{system}_tok_s']:>15.1f} {row[f'{system}_single_tok_s']:>13.1f} "
+            print(f"{lead} {label:<28} {row[f'{system}_tok_s']:>15.1f} {row[f'{system}_single_tok_s']:>13.1f} "
                   f"{row[f'{system}_single_bound_share']:>15.0%} {row[f'{system}_startup_s']:>11.1f}")
-        print(f"{blank} {'bound':<19} {'':>15} {row['single_bound_tok_s']:>13.1f}   (read bandwidth / bytes read per token)")
+        print(f"{blank} {'bound':<28} {'':>15} {row['single_bound_tok_s']:>13.1f}   (read bandwidth / bytes read per token)")
         for system in engines:
             if f"{system}_over_llamacpp" in row:
                 print(f"{blank} {system} / llamacpp: {row[f'{system}_over_llamacpp']:.2f}x "

@@ -7,8 +7,8 @@ they are ready, and the time they were ready at is reported beside the start-up.
 
 `--model` names another model than the embedded default: a GGUF file (compare.py --gguf) or a
 transformers folder (--dense); `--dtype auto` is the engine's own choice, reported as the dtype
-it ran. `--quantization native|dequantize|auto` is passed to `LLM` only when given, so the script
-runs on an engine that has no such option yet (today's: every GGUF dequantized at load).
+it ran. `--quantization native|dequantize|auto` is passed to `LLM` only when given (the engine's
+default otherwise), and the JSON line says which the engine used (`quantization_used`).
 
     .venv/bin/python benchmarks/peers/engine_offline.py /tmp/workload.json [--dtype bfloat16]
         [--model FILE.gguf|FOLDER] [--quantization native]
@@ -41,6 +41,8 @@ def main() -> None:
     extra = {} if args.quantization is None else {"quantization": args.quantization}
     llm = LLM(args.model, dtype=args.dtype, **extra)
     dtype = str(llm.engine.dtype).removeprefix("torch.")  # what "auto" chose
+    # native or dequantize, as the engine resolved the option (None on an engine without it)
+    used = getattr(getattr(llm.engine, "core", None), "quantization", None)
     llm.generate([prompts[-1]], SamplingParams(temperature=0, max_tokens=1))
     startup = time.perf_counter() - STARTED
     compiled = llm.engine.compiled
@@ -53,7 +55,7 @@ def main() -> None:
         return [o.outputs[0].token_ids for o in llm.generate(batch, greedy)]
 
     measure_and_report("engine", "PagedChat engine", dtype, cpu_model(), startup, generate, prompts,
-                       args.output_tokens, extra={"model": args.model, "quantization": args.quantization,
+                       args.output_tokens, extra={"model": args.model, "quantization": args.quantization, "quantization_used": used,
                                                   "compiled_ready_s": round(ready, 1),
                                                   "compiled": bool(compiled is not None and compiled.ready),
                                                   "compiled_batch": bool(compiled is not None and compiled.batch_ready)})
