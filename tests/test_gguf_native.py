@@ -1,0 +1,112 @@
+"""A GGUF file served with its quantized weights kept quantized (quantization="native",
+engine/worker/quantized): the decoder built from the file's blocks computes what the same file
+dequantized computes; the option is checked at the edge; `python -m engine.serve` and the app
+start on a GGUF path, answer, and say which file and type they run."""
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+import torch
+from engine_servers import EngineServer
+from gradio_client import Client
+from openai import OpenAI
+from served_app import served_chat
+from waiting import DEADLINE_S
+
+from engine.worker import model_loader
+from engine.worker.gguf_file import load_model
+from engine.worker.model_loader import resolve_quantization
+from engine.worker.models.llama import LlamaModel
+from engine.worker.models.layers.quantized_linear import QuantizedLinear
+from engine.worker.quantized.matrix import QuantizedMatrix
+from tests.test_gguf_file import QUANTIZED, T, tiny_llama_tensors, write_gguf
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+LABEL = "SmolLM2-135M-Instruct.Q4_1.gguf · Q4_1, quantized (native)"
+
+
+@pytest.fixture(scope="module")
+def embedded_gguf() -> str:
+    try:
+        return model_loader.embedded_gguf_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
+def logits_of(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    from benchmarks.gguf_quality import teacher_forced_logits
+    return teacher_forced_logits(model, ids)
+
+
+def test_the_tiny_llama_kept_quantized_computes_what_it_dequantized_computes(tmp_path, tiny_hf):
+    path = write_gguf(tmp_path / "tiny.gguf", "llama", tiny_llama_tensors(tiny_hf), file_type=7)
+    config = tiny_hf.config
+    quantized = load_model(path, config, torch.float32, quantized=True)
+    kept = quantized.quantized_weights
+    layers = range(config.num_hidden_layers)
+    assert set(kept) == {"model.embed_tokens.weight"} | {
+        f"model.layers.{i}.{name}.weight" for i in layers
+        for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj")}
+    assert all(isinstance(m, QuantizedMatrix) and m.type_name == "Q8_0" for m in kept.values())
+    assert quantized.model.embed_tokens.weight.is_meta  # no dense copy of what is kept quantized
+    assert set(QUANTIZED) == {"token_embd", "ffn_gate", "ffn_up", "ffn_down", "attn_output"}
+
+    native = LlamaModel(quantized, torch.float32, torch.device("cpu"))
+    dense = LlamaModel(load_model(path, config, torch.float32), torch.float32, torch.device("cpu"))
+    assert native.quantized and not dense.quantized
+    assert isinstance(native.layers[0].gate_up, QuantizedLinear) and isinstance(native.lm_head, QuantizedLinear)
+    assert native.num_parameters == dense.num_parameters
+    ids = torch.randint(0, config.vocab_size, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours, theirs = logits_of(native, ids), logits_of(dense, ids)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    assert (ours - theirs).abs().max() < 1e-3 * theirs.abs().max()
+
+
+def test_the_quantization_option_is_checked(tiny_model_dir, embedded_gguf):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    with pytest.raises(ValueError, match="'bogus'.*auto, native, dequantize"):
+        resolve_quantization("bogus", embedded_gguf, cpu)
+    with pytest.raises(ValueError, match="needs a quantized GGUF file.*not a GGUF file"):
+        resolve_quantization("native", tiny_model_dir, cpu)
+    with pytest.raises(ValueError, match="runs on CPUs"):
+        resolve_quantization("native", embedded_gguf, gpu)
+    assert resolve_quantization("auto", embedded_gguf, cpu)[0] == "native"
+    assert resolve_quantization("auto", embedded_gguf, gpu)[0] == "dequantize"
+    assert resolve_quantization("auto", tiny_model_dir, cpu)[0] == "dequantize"
+    assert resolve_quantization("dequantize", embedded_gguf, cpu)[0] == "dequantize"
+
+
+def test_engine_serve_starts_on_a_gguf_path(embedded_gguf, tmp_path):
+    server = EngineServer(embedded_gguf, tmp_path, num_gpu_blocks=128, num_cpu_blocks=16)
+    server.options += ["--quantization", "native"]
+    try:
+        server.start(timeout=DEADLINE_S)
+        reply = OpenAI(base_url=f"{server.url}/v1", api_key="none").chat.completions.create(
+            model="tiny", messages=QUESTION, temperature=0, max_tokens=12)
+        assert "Paris" in reply.choices[0].message.content
+        kv_cache = httpx.get(f"{server.url}/v1/kv_cache", timeout=30).json()
+        assert kv_cache["weights"] == "Q4_1, quantized (native)"
+    finally:
+        server.stop()
+
+
+def test_the_app_starts_on_a_gguf_path_and_shows_the_file_and_type(embedded_gguf, tmp_path):
+    from ui.backends.local import LocalEndpoint
+    from ui.panel.view import header_html
+    from ui.panel.history import StatsHistory
+
+    with served_chat(embedded_gguf, tmp_path / "chat.db", quantization="native", num_gpu_blocks=128,
+                     num_cpu_blocks=16) as (client, store, url):
+        session = Client(url, verbose=False)
+        user = f"anon:{uuid.uuid4().hex}"
+        job = session.submit(user, None, QUESTION[0]["content"], "None", "", 0.0, 1.0, 12, api_name="/send")
+        _, conversation_id, _ = job.result(timeout=DEADLINE_S)
+        session.close()
+        reply = store.messages(user, conversation_id)[-1]
+        assert reply["role"] == "assistant" and "Paris" in reply["content"]
+        info = client.info()
+        assert info.label == LABEL
+        assert LocalEndpoint(client).probe().model == LABEL  # what the context meter shows
+        assert LABEL in header_html(StatsHistory(), info, ()).replace("&#x27;", "'")
