@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository root (benchmarks/kernels.py shadows kernels)
+if not __package__:  # run as a script: the repository root first (benchmarks/kernels.py shadows kernels)
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 
