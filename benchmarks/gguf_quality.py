@@ -70,14 +70,16 @@ def teacher_forced_logits(model, ids: list[int], block_size: int = 16) -> torch.
     (engine/worker/models/llama.LlamaModel) over a paged cache of its own."""
     from engine.worker.models.llama import AttentionMetadata
 
-    n = len(ids)
+    n, device = len(ids), model.device
     blocks = -(-n // block_size)
-    cache = torch.zeros(model.kv_cache_shape(blocks, block_size), dtype=model.dtype)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-                             seqused_k=torch.tensor([n], dtype=torch.int32),
-                             block_table=torch.arange(blocks, dtype=torch.int32)[None])
+    cache = torch.zeros(model.kv_cache_shape(blocks, block_size), dtype=model.dtype, device=device)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n, device=device),
+                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
+                             seqused_k=torch.tensor([n], dtype=torch.int32, device=device),
+                             block_table=torch.arange(blocks, dtype=torch.int32, device=device)[None])
     model.rotary.ensure(n)
-    return model.forward(torch.tensor(ids), torch.arange(n), cache, meta, torch.arange(n))
+    positions = torch.arange(n, device=device)
+    return model.forward(torch.tensor(ids, device=device), positions, cache, meta, positions).cpu()
 
 
 def agreement(native: torch.Tensor, dense: torch.Tensor, tie: float = 1e-3) -> dict:

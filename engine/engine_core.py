@@ -4,6 +4,7 @@ InputProcessor's and detokenizing the OutputProcessor's, so the core can run alo
 process (engine/core_process.py) while a frontend does that work. Single-threaded."""
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from engine.core.stats import SchedulerStats
 from engine.outputs import EngineInfo, TokenOutput
 from engine.worker import compiled_decode
 from engine.worker.decode_graphs import BUCKETS
-from engine.worker.host_allocator import keep_freed_memory
+from engine.worker.host_allocator import keep_freed_memory, release_freed_memory
 from engine.worker.memory import num_device_blocks, num_host_blocks, resolve_device, resolve_dtype
 from engine.worker.model_loader import (DEFAULT_MODEL_NAME, describe_weights, load_hf_model, model_dtype,
                                         resolve_quantization)
@@ -51,10 +52,13 @@ class EngineCore:
         hf_model, self.tokenizer = load_hf_model(model, self.dtype, quantized=self.quantization == "native")
         self.model_name = model or os.environ.get("MODEL") or DEFAULT_MODEL_NAME
         self.model = LlamaModel(hf_model, self.dtype, self.device)
-        self.weights_info = describe_weights(model, self.quantization)
-        log.info("weights: %s (%s)", self.weights_info["description"], why)
         hf_config = hf_model.config
         del hf_model
+        if self.device.type == "cpu":
+            gc.collect()  # the GGUF reader's memory map, in reference cycles
+            release_freed_memory()
+        self.weights_info = describe_weights(model, self.quantization)
+        log.info("weights: %s (%s)", self.weights_info["description"], why)
         # vLLM's option names (num_gpu_blocks, num_cpu_blocks) end here; inside, the pools are the
         # device pool and the host pool (a CPU-only engine's "GPU" pool lives in main memory).
         block_bytes = self.model.kv_block_bytes(block_size)

@@ -141,7 +141,8 @@ def load_model(path: str | Path, config, dtype: torch.dtype, quantized: bool = F
         if name is None:
             continue
         weights = processor.process(weights=weights, name=tensor.name).weights  # llama.cpp's q/k row order undone
-        state_dict[name] = weights.to(dtype)
+        # a copy even in the file's own dtype: a view would keep the whole file mapped (and resident)
+        state_dict[name] = weights.to(dtype, copy=True)
     if kept:
         model = _model_without(kept, model_class, config, state_dict, dtype)
     else:

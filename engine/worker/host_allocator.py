@@ -42,3 +42,17 @@ def keep_freed_memory() -> bool:
     log.debug("glibc %s keeps freed memory: mmap threshold %d, trim threshold %d",
               gnu_get_libc_version().decode(), threshold, TRIM_THRESHOLD)
     return True
+
+
+def release_freed_memory() -> bool:
+    """Give the kernel back what is free in glibc's heap now (malloc_trim: the free top, and the
+    whole free pages inside). Once, after loading the weights: with the thresholds above, the
+    load's transients (a GGUF tensor's unpacked quants, a dequantized copy) would otherwise stay
+    resident for the engine's life. False where the C library is not glibc."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    malloc_trim(0)
+    return True

@@ -14,11 +14,14 @@ embedding lookup).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.worker.gguf_formats import Groups
 from engine.worker.quantized import native
+
+if TYPE_CHECKING:  # the engine imports this module; the gguf package is needed only to read a file
+    from engine.worker.gguf_formats import Groups
 
 LANES = 8
 CHUNK = 32
