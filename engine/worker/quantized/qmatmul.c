@@ -47,24 +47,17 @@ static inline void group_scale(const Args *a, int64_t b, int64_t g, int64_t grou
 #ifdef __AVX2__
 #include <immintrin.h>
 
-static inline __m256 load_scale(const Args *a, int64_t b, int64_t g, int64_t groups) {
+/* A scale (d, sc) or an offset (dm, mn) of lane block b's group g, per lane: the f16 factor of
+   its super-block times the int8 factor of the group (when there is one). */
+static inline __m256 load_factor(const Args *a, const _Float16 *per_super, const int8_t *per_group,
+                                 int64_t b, int64_t g, int64_t groups) {
     const int64_t s = (b * (groups / a->sg) + g / a->sg) * LANES;
-    __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a->d + s)));
-    if (a->sc) {
-        const __m128i sc = _mm_loadl_epi64((const __m128i *)(a->sc + (b * groups + g) * LANES));
-        scale = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    __m256 factor = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(per_super + s)));
+    if (per_group) {
+        const __m128i small = _mm_loadl_epi64((const __m128i *)(per_group + (b * groups + g) * LANES));
+        factor = _mm256_mul_ps(factor, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(small)));
     }
-    return scale;
-}
-
-static inline __m256 load_offset(const Args *a, int64_t b, int64_t g, int64_t groups) {
-    const int64_t s = (b * (groups / a->sg) + g / a->sg) * LANES;
-    __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a->dm + s)));
-    if (a->mn) {
-        const __m128i mn = _mm_loadl_epi64((const __m128i *)(a->mn + (b * groups + g) * LANES));
-        offset = _mm256_mul_ps(offset, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn)));
-    }
-    return offset;
+    return factor;
 }
 
 static inline __m256i broadcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
@@ -118,7 +111,7 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
         }
         const int64_t g0 = c * CHUNK / GS;
         for (int h = 0; h < CHUNK / GS; h++) {
-            const __m256 scale = load_scale(a, b, g0 + h, groups);
+            const __m256 scale = load_factor(a, a->d, a->sc, b, g0 + h, groups);
             for (int v = 0; v < LEVELS; v++)
                 for (int r = 0; r < MT; r++) {
                     const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(a->dx[v * level_stride + (r0 + r) * a->chunks + c]));
@@ -126,7 +119,7 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                 }
         }
         if (a->dm) {
-            const __m256 offset = load_offset(a, b, g0, groups);
+            const __m256 offset = load_factor(a, a->dm, a->mn, b, g0, groups);
             for (int r = 0; r < MT; r++)
                 acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a->xsum[(r0 + r) * a->chunks + c]), acc[r]);
         }
