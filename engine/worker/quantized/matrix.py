@@ -60,6 +60,8 @@ class QuantizedMatrix:
                              f"of 16 or 32, not {columns} in groups of {group}")
         if groups.dm is not None and group != CHUNK:
             raise ValueError("offsets are supported for groups of 32 only")
+        if groups.groups_per_super & (groups.groups_per_super - 1):
+            raise ValueError(f"{groups.groups_per_super} groups a super-block: a power of two is needed")
         padded = -(-out // LANES) * LANES
         blocks, chunks = padded // LANES, columns // CHUNK
         q = torch.nn.functional.pad(groups.quants.reshape(out, columns), (0, 0, 0, padded - out))

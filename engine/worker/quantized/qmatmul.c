@@ -30,14 +30,14 @@
 typedef struct {
     const int8_t *xq; const float *dx; const float *xsum; int64_t chunks, rows;  /* chunks = in / 32 */
     const uint8_t *q; const _Float16 *d; const _Float16 *dm; const int8_t *sc; const int8_t *mn;
-    int64_t sg; float *y; int64_t y_stride;
+    int sg_shift; int64_t supers; float *y; int64_t y_stride;  /* sg = 1 << sg_shift; supers per row */
 } Args;
 
 static inline float half(const _Float16 *p) { return (float)*p; }
 
 /* Scale (and offset) of lane block b's scale group g, per lane. */
 static inline void group_scale(const Args *a, int64_t b, int64_t g, int64_t groups, float *scale, float *offset) {
-    const int64_t s = (b * (groups / a->sg) + g / a->sg) * LANES, gi = (b * groups + g) * LANES;
+    const int64_t s = (b * a->supers + (g >> a->sg_shift)) * LANES, gi = (b * groups + g) * LANES;
     for (int l = 0; l < LANES; l++) {
         scale[l] = half(a->d + s + l) * (a->sc ? (float)a->sc[gi + l] : 1.0f);
         if (offset) offset[l] = a->dm ? half(a->dm + s + l) * (a->mn ? (float)a->mn[gi + l] : 1.0f) : 0.0f;
@@ -51,7 +51,8 @@ static inline void group_scale(const Args *a, int64_t b, int64_t g, int64_t grou
    its super-block times the int8 factor of the group (when there is one). */
 static inline __m256 load_factor(const Args *a, const _Float16 *per_super, const int8_t *per_group,
                                  int64_t b, int64_t g, int64_t groups) {
-    const int64_t s = (b * (groups / a->sg) + g / a->sg) * LANES;
+    /* a shift, not a division: a 64-bit divide per group was the 4-bit loop's largest cost */
+    const int64_t s = (b * a->supers + (g >> a->sg_shift)) * LANES;
     __m256 factor = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(per_super + s)));
     if (per_group) {
         const __m128i small = _mm_loadl_epi64((const __m128i *)(per_group + (b * groups + g) * LANES));
@@ -184,10 +185,12 @@ static inline __attribute__((always_inline)) void block(const Args *a, int64_t b
 void quantize_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
                    int8_t *xq, float *dx, float *xsum) {
     const int64_t chunks = in / CHUNK;
-    #pragma omp parallel for schedule(static) if (rows * chunks >= 1024)
-    for (int64_t rc = 0; rc < rows * chunks; rc++) {
+    #pragma omp parallel for collapse(2) schedule(static) if (rows * chunks >= 1024)
+    for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t rc = r * chunks + c;
         float v[CHUNK], sum = 0.0f;
-        memcpy(v, x + rc / chunks * x_stride + rc % chunks * CHUNK, sizeof(v));
+        memcpy(v, x + r * x_stride + c * CHUNK, sizeof(v));
         for (int i = 0; i < CHUNK; i++) sum += v[i];
         xsum[rc] = sum;
         for (int64_t level = 0; level < levels; level++) {
@@ -208,7 +211,7 @@ void quantize_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, i
 void qmatmul(const int8_t *xq, const float *dx, const float *xsum, int64_t rows, int64_t in, int64_t levels,
              const uint8_t *q, const _Float16 *d, const _Float16 *dm, const int8_t *sc, const int8_t *mn,
              int64_t gs, int64_t sg, int64_t nibbles, int64_t blocks, float *y, int64_t y_stride) {
-    const Args a = {xq, dx, xsum, in / CHUNK, rows, q, d, dm, sc, mn, sg, y, y_stride};
+    const Args a = {xq, dx, xsum, in / CHUNK, rows, q, d, dm, sc, mn, __builtin_ctzll(sg), in / gs / sg, y, y_stride};
     #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         if (levels == 2) {
