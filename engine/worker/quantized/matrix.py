@@ -13,6 +13,7 @@ embedding lookup).
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -108,49 +109,41 @@ class QuantizedMatrix:
         return self.rows(torch.arange(self.out_features))
 
 
-class QuantizedActivations:
-    """Rows of x quantized once (`quantize_rows`), for every matrix that multiplies them."""
-
-    def __init__(self, x: torch.Tensor, levels: int = 2, lib=None) -> None:
-        lib = lib or native.library()
-        if lib is None:
-            raise RuntimeError(f"no native quantized matmul: {native.problem()}")
-        x = x.float().contiguous()
-        self.rows, self.in_features = x.shape
-        if self.in_features % CHUNK:
-            raise ValueError(f"rows of {self.in_features} values: a multiple of {CHUNK} is needed")
-        chunks = self.in_features // CHUNK
-        self.levels = levels
-        self.xq = torch.empty((levels, *x.shape), dtype=torch.int8)
-        self.dx = torch.empty(levels, self.rows, chunks)
-        self.xsum = torch.empty(self.rows, chunks)
-        self.lib = lib
-        lib.quantize_rows(x.data_ptr(), self.rows, self.in_features, self.in_features, levels,
-                          self.xq.data_ptr(), self.dx.data_ptr(), self.xsum.data_ptr())
-
-    def times(self, matrix: QuantizedMatrix, out: torch.Tensor) -> None:
-        """out[:, :matrix's padded width] = x @ W.T; `out` float32, rows contiguous, with room for
-        the padding to a multiple of 8 columns past out_features."""
-        if matrix.in_features != self.in_features:
-            raise ValueError(f"x has {self.in_features} columns, the matrix {matrix.in_features}")
-        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        self.lib.qmatmul(self.xq.data_ptr(), self.dx.data_ptr(), self.xsum.data_ptr(), self.rows, self.in_features,
-                         self.levels,
-                         matrix.quants.data_ptr(), matrix.d.data_ptr(), ptr(matrix.dm), ptr(matrix.sc), ptr(matrix.mn),
-                         matrix.group_size, matrix.groups_per_super, int(matrix.nibbles), matrix.quants.shape[0],
-                         out.data_ptr(), out.stride(0))
+def parts(matrices: list[QuantizedMatrix]) -> ctypes.Array:
+    """The matrices as the C loops' Part array, their outputs side by side (keep it with the
+    matrices: it holds their addresses, not them)."""
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    array, column = (native.Part * len(matrices))(), 0
+    for part, m in zip(array, matrices):
+        part.q, part.d, part.dm, part.sc, part.mn = (ptr(m.quants), ptr(m.d), ptr(m.dm), ptr(m.sc), ptr(m.mn))
+        part.gs, part.sg, part.nibbles, part.blocks, part.column = (
+            m.group_size, m.groups_per_super, int(m.nibbles), m.quants.shape[0], column)
+        column += m.out_features
+    return array
 
 
-def matmul(x: torch.Tensor, matrices: list[QuantizedMatrix], levels: int = 2, lib=None) -> torch.Tensor:
+def matmul(x: torch.Tensor, matrices: list[QuantizedMatrix], levels: int = 2, lib=None,
+           part_array: ctypes.Array | None = None) -> torch.Tensor:
     """x (rows, in) @ [W1; W2; ...].T as one float32 (rows, sum of out_features): the matrices'
-    outputs side by side (a fused q/k/v projection whose parts are in different formats)."""
+    outputs side by side (a fused q/k/v projection whose parts are in different formats), in
+    one native call (x's rows in `levels` int8 levels). `part_array`: `parts(matrices)`, made
+    once by a caller that calls often."""
+    in_features = matrices[0].in_features
+    if any(m.in_features != in_features for m in matrices) or x.shape[-1] != in_features:
+        raise ValueError(f"x has {x.shape[-1]} columns, the matrices {[m.in_features for m in matrices]}")
     total = sum(m.out_features for m in matrices)
-    out = torch.empty(x.shape[0], total + LANES)  # room for the last matrix's padding
-    if x.shape[0]:
-        activations = QuantizedActivations(x, levels, lib)
-        start = 0
-        for matrix in matrices:
-            # Each writes its padded width; a part's padding is overwritten by the next part.
-            activations.times(matrix, out[:, start:])
-            start += matrix.out_features
+    rows = x.shape[0]
+    out = torch.empty(rows, total + LANES)  # room for the last matrix's padding
+    if not rows:
+        return out[:, :total]
+    lib = lib or native.library()
+    if lib is None:
+        raise RuntimeError(f"no native quantized matmul: {native.problem()}")
+    x = x.float().contiguous()
+    chunks = in_features // CHUNK
+    xq = torch.empty(levels, rows, in_features, dtype=torch.int8)
+    scratch = torch.empty(levels + 1, rows, chunks)  # dx per level, then the sums
+    array = part_array if part_array is not None else parts(matrices)
+    lib.qlinear(x.data_ptr(), rows, in_features, in_features, levels, xq.data_ptr(), scratch.data_ptr(),
+                scratch[levels].data_ptr(), array, len(matrices), out.data_ptr(), out.stride(0))
     return out[:, :total]

@@ -31,10 +31,15 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_SIGNATURES = {
-    "quantize_rows": [_P, _I, _I, _I, _I, _P, _P, _P],
-    "qmatmul": [_P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I],
-}
+
+
+class Part(ctypes.Structure):
+    """qmatmul.c's Part: one quantized matrix of a linear layer and its first output column."""
+    _fields_ = [("q", _P), ("d", _P), ("dm", _P), ("sc", _P), ("mn", _P),
+                ("gs", _I), ("sg", _I), ("nibbles", _I), ("blocks", _I), ("column", _I)]
+
+
+_SIGNATURES = {"qlinear": [_P, _I, _I, _I, _I, _P, _P, _P, ctypes.POINTER(Part), _I, _P, _I]}
 
 
 def _compiler() -> str | None:

@@ -181,11 +181,11 @@ static inline __attribute__((always_inline)) void block(const Args *a, int64_t b
    is round(x / dx) with dx = max|x| / 127 (llama.cpp's q8 rows), level 2 the same of what level 1
    left out (x less its rounding: within dx / 2), so two levels carry x to ~1/32000 of the chunk's
    largest value. xq [levels, rows, in], dx [levels, rows, in/32]; xsum [rows, in/32] the float
-   sums (for the offsets). */
-void quantize_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
-                   int8_t *xq, float *dx, float *xsum) {
+   sums (for the offsets). Called inside a parallel region: the threads share the chunks. */
+static void quantize_chunks(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
+                            int8_t *xq, float *dx, float *xsum) {
     const int64_t chunks = in / CHUNK;
-    #pragma omp parallel for collapse(2) schedule(static) if (rows * chunks >= 1024)
+    #pragma omp for collapse(2) schedule(static)
     for (int64_t r = 0; r < rows; r++)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t rc = r * chunks + c;
@@ -207,21 +207,37 @@ void quantize_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, i
     }
 }
 
-/* y [rows, blocks * LANES] (row stride y_stride) from rows quantized by quantize_rows. */
-void qmatmul(const int8_t *xq, const float *dx, const float *xsum, int64_t rows, int64_t in, int64_t levels,
-             const uint8_t *q, const _Float16 *d, const _Float16 *dm, const int8_t *sc, const int8_t *mn,
-             int64_t gs, int64_t sg, int64_t nibbles, int64_t blocks, float *y, int64_t y_stride) {
-    const Args a = {xq, dx, xsum, in / CHUNK, rows, q, d, dm, sc, mn, __builtin_ctzll(sg), in / gs / sg, y, y_stride};
-    #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        if (levels == 2) {
-            if (nibbles) block(&a, b, rows, 32, 1, 2);
-            else if (gs == 16) block(&a, b, rows, 16, 0, 2);
-            else block(&a, b, rows, 32, 0, 2);
-        } else {
-            if (nibbles) block(&a, b, rows, 32, 1, 1);
-            else if (gs == 16) block(&a, b, rows, 16, 0, 1);
-            else block(&a, b, rows, 32, 0, 1);
+/* One quantized matrix of a linear layer: its part of the output starts at column `column`. */
+typedef struct {
+    const uint8_t *q; const _Float16 *d; const _Float16 *dm; const int8_t *sc; const int8_t *mn;
+    int64_t gs, sg, nibbles, blocks, column;
+} Part;
+
+/* y [rows, ...] (row stride y_stride) = x [rows, in] @ [W1; W2; ...].T for the parts, in one call
+   and one parallel region: x quantized once (scratch xq, dx, xsum as quantize_chunks lays them
+   out), then each part's blocks shared by the threads. Parts run one after another: a part's
+   last block may write past its columns (its padding), which the next part then overwrites. */
+void qlinear(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
+             int8_t *xq, float *dx, float *xsum, const Part *parts, int64_t num_parts, float *y, int64_t y_stride) {
+    #pragma omp parallel
+    {
+        quantize_chunks(x, rows, x_stride, in, levels, xq, dx, xsum);  /* ends at a barrier */
+        for (int64_t i = 0; i < num_parts; i++) {
+            const Part *p = &parts[i];
+            const Args a = {xq, dx, xsum, in / CHUNK, rows, p->q, p->d, p->dm, p->sc, p->mn,
+                            __builtin_ctzll(p->sg), in / p->gs / p->sg, y + p->column, y_stride};
+            #pragma omp for schedule(static)
+            for (int64_t b = 0; b < p->blocks; b++) {
+                if (levels == 2) {
+                    if (p->nibbles) block(&a, b, rows, 32, 1, 2);
+                    else if (p->gs == 16) block(&a, b, rows, 16, 0, 2);
+                    else block(&a, b, rows, 32, 0, 2);
+                } else {
+                    if (p->nibbles) block(&a, b, rows, 32, 1, 1);
+                    else if (p->gs == 16) block(&a, b, rows, 16, 0, 1);
+                    else block(&a, b, rows, 32, 0, 1);
+                }
+            }
         }
     }
 }

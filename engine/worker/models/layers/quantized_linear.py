@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.worker.quantized.matrix import QuantizedMatrix, matmul
+from engine.worker.quantized.matrix import QuantizedMatrix, matmul, parts
 
 
 class QuantizedLinear:
@@ -13,14 +13,15 @@ class QuantizedLinear:
     side by side (a fused q/k/v whose parts are in different formats), computed in float32 by the
     native loops and returned in x's dtype."""
 
-    def __init__(self, parts: Sequence[QuantizedMatrix], bias: torch.Tensor | None = None) -> None:
-        self.parts = list(parts)
+    def __init__(self, matrices: Sequence[QuantizedMatrix], bias: torch.Tensor | None = None) -> None:
+        self.parts = list(matrices)
         self.in_features = self.parts[0].in_features
         self.out_features = sum(part.out_features for part in self.parts)
         self.bias = bias
+        self._part_array = parts(self.parts)  # built once: a decode step makes ~100 of these calls
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = matmul(x, self.parts)
+        y = matmul(x, self.parts, part_array=self._part_array)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
