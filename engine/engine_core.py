@@ -48,7 +48,7 @@ class EngineCore:
             keep_freed_memory()  # before the weights: every step's activations then reuse one heap
         self.dtype = resolve_dtype(dtype, self.device, model_dtype(model) if dtype in (None, "auto") else None)
         # A GGUF file's quantized weights: kept quantized on a CPU (native) or dequantized at load.
-        self.quantization, why = resolve_quantization(quantization, model, self.device)
+        self.quantization, why = resolve_quantization(quantization, model, self.device, self.dtype)
         hf_model, self.tokenizer = load_hf_model(model, self.dtype, quantized=self.quantization == "native")
         self.model_name = model or os.environ.get("MODEL") or DEFAULT_MODEL_NAME
         self.model = LlamaModel(hf_model, self.dtype, self.device)

@@ -64,7 +64,7 @@ def test_the_tiny_llama_kept_quantized_computes_what_it_dequantized_computes(tmp
     assert (ours - theirs).abs().max() < 1e-3 * theirs.abs().max()
 
 
-def test_the_quantization_option_is_checked(tiny_model_dir, embedded_gguf):
+def test_the_quantization_option_is_checked(tiny_model_dir, embedded_gguf, monkeypatch):
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     with pytest.raises(ValueError, match="'bogus'.*auto, native, dequantize"):
         resolve_quantization("bogus", embedded_gguf, cpu)
@@ -72,6 +72,9 @@ def test_the_quantization_option_is_checked(tiny_model_dir, embedded_gguf):
         resolve_quantization("native", tiny_model_dir, cpu)
     with pytest.raises(ValueError, match="runs on CPUs"):
         resolve_quantization("native", embedded_gguf, gpu)
+    # the embedded 135M is 0.5 GB dense: dense is faster there; a file 1 GiB or more dense is kept quantized
+    assert resolve_quantization("auto", embedded_gguf, cpu)[0] == "dequantize"
+    monkeypatch.setattr(model_loader, "NATIVE_FROM_DENSE_BYTES", 256 << 20)
     assert resolve_quantization("auto", embedded_gguf, cpu)[0] == "native"
     assert resolve_quantization("auto", embedded_gguf, gpu)[0] == "dequantize"
     assert resolve_quantization("auto", tiny_model_dir, cpu)[0] == "dequantize"
