@@ -239,43 +239,20 @@ def gguf_main(args, parser) -> None:
                         runners[label] = (lambda q=q: engine(args.build, workload, args.dtype, args.output_tokens, path, q))
         bound = bandwidth * 1e9 / facts["read_bytes"]
         row = {**facts, "single_bound_tok_s": round(bound, 1), "missing": {}}
-        runs: dict[str, list[dict]] = {system: [] for system in runners}
-        for turn in range(args.rounds):
-            for system, runner in runners.items():
-                if system in row["missing"]:
-                    continue
-                try:
-                    figures = runner()
-                except (RuntimeError, ValueError, subprocess.TimeoutExpired) as error:
-                    row["missing"][system] = str(error)
-                    runs[system] = []
-                    print(f"{system} {path.name}: missing: {error}", flush=True)
-                    continue
-                # the 1-minute load average as the run ends: above the run's own threads, a neighbour
-                # shared the cores (the machine's figure, not the code's)
-                figures["load_1m"] = round(os.getloadavg()[0], 2)
-                runs[system].append(figures)
-                print(f"round {turn + 1}/{args.rounds}: {system} {path.name} ({figures['dtype']}): {figures['tok_s']} "
-                      f"tok/s at {figures.get('chats')} chats, {figures['single_tok_s']} tok/s alone, "
-                      f"start-up {figures['startup_s']} s, load {figures['load_1m']}", flush=True)
+        runs = run_rounds(runners, args.rounds, path.name, row)
         for system, figures in runs.items():
             if not figures:
                 continue
             row[f"{system}_dtype"] = figures[0]["dtype"]
             if figures[0].get("quantization_used"):
                 row[f"{system}_quantization_used"] = figures[0]["quantization_used"]
-            for key in ("tok_s", "single_tok_s", "startup_s"):
-                row[f"{system}_{key}"] = round(statistics.median(f[key] for f in figures), 2)
-                row[f"{system}_{key}_rounds"] = [f[key] for f in figures]
-            row[f"{system}_single_bound_share"] = round(row[f"{system}_single_tok_s"] / bound, 3)
+            add_medians(row, system, figures, bound)
             row[f"{system}_load_1m_rounds"] = [f["load_1m"] for f in figures]
             if system.startswith("engine"):
                 row[f"{system}_compiled_rounds"] = [f.get("compiled") for f in figures]
         for system in runs:
-            if system.startswith("engine") and runs[system] and runs.get("llamacpp"):
-                for key, name in (("tok_s", f"{system}_over_llamacpp"), ("single_tok_s", f"{system}_over_llamacpp_single")):
-                    row[name] = round(row[f"{system}_{key}"] / row[f"llamacpp_{key}"], 2)
-                    row[f"{name}_rounds"] = [round(e[key] / p[key], 2) for e, p in zip(runs[system], runs["llamacpp"])]
+            if system.startswith("engine"):
+                add_ratios(row, runs, system, "llamacpp", f"{system}_over_llamacpp")
         results[path.name] = row
 
     # The issue's dense baseline: a file's engine single chat over ours on the dense folder of the
@@ -305,11 +282,7 @@ def gguf_main(args, parser) -> None:
             if system.startswith("engine") and f"{system}_dtype" in row:
                 used = row.get(f"{system}_quantization_used")
                 label = f"{system} ({row[f'{system}_dtype']}{', ' + used if used and system == 'engine' else ''})"
-            if f"{system}_tok_s" not in row:
-                print(f"{lead} {label:<28} {'missing':>15}")
-                continue
-            print(f"{lead} {label:<28} {row[f'{system}_tok_s']:>15.1f} {row[f'{system}_single_tok_s']:>13.1f} "
-                  f"{row[f'{system}_single_bound_share']:>15.0%} {row[f'{system}_startup_s']:>11.1f}")
+            print(f"{lead} {label:<28} {figure_cells(row, system)}")
         print(f"{blank} {'bound':<28} {'':>15} {row['single_bound_tok_s']:>13.1f}   (read bandwidth / bytes read per token)")
         for system in engines:
             if f"{system}_over_llamacpp" in row:
@@ -325,6 +298,56 @@ def gguf_main(args, parser) -> None:
 
 def runs_order(row: dict, engines: dict) -> list[str]:
     return [*engines, "llamacpp"] if not row["type"].startswith("dense") else ["engine"]
+
+
+def run_rounds(runners: dict, rounds: int, label: str, row: dict) -> dict[str, list[dict]]:
+    """Every system's runner once a round, interleaved (on a shared machine each system then
+    goes through the same stretches); a system that fails is recorded in row["missing"] and
+    not run again. Each run's figures get the 1-minute load average as it ended (above the run's
+    own threads, a neighbour shared the cores: the machine's figure, not the code's)."""
+    runs: dict[str, list[dict]] = {system: [] for system in runners}
+    for turn in range(rounds):
+        for system, runner in runners.items():
+            if system in row["missing"]:
+                continue
+            try:
+                figures = runner()
+            except (RuntimeError, ValueError, subprocess.TimeoutExpired) as error:
+                row["missing"][system] = str(error)
+                runs[system] = []
+                print(f"{system} {label}: missing: {error}", flush=True)
+                continue
+            figures["load_1m"] = round(os.getloadavg()[0], 2)
+            runs[system].append(figures)
+            print(f"round {turn + 1}/{rounds}: {system} {label} ({figures.get('dtype', label)}): {figures['tok_s']} "
+                  f"tok/s at {figures.get('chats')} chats, {figures['single_tok_s']} tok/s alone, "
+                  f"start-up {figures['startup_s']} s, load {figures['load_1m']}", flush=True)
+    return runs
+
+
+def add_medians(row: dict, system: str, figures: list[dict], bound: float) -> None:
+    """A system's medians over its rounds, each round's figure, and its share of the one-chat bound."""
+    for key in ("tok_s", "single_tok_s", "startup_s"):
+        row[f"{system}_{key}"] = round(statistics.median(f[key] for f in figures), 2)
+        row[f"{system}_{key}_rounds"] = [f[key] for f in figures]
+    row[f"{system}_single_bound_share"] = round(row[f"{system}_single_tok_s"] / bound, 3)
+
+
+def figure_cells(row: dict, system: str) -> str:
+    """A system's table cells: N chats and one chat tok/s, share of the bound, start-up."""
+    if f"{system}_tok_s" not in row:
+        return f"{'missing':>15}"
+    return (f"{row[f'{system}_tok_s']:>15.1f} {row[f'{system}_single_tok_s']:>13.1f} "
+            f"{row[f'{system}_single_bound_share']:>15.0%} {row[f'{system}_startup_s']:>11.1f}")
+
+
+def add_ratios(row: dict, runs: dict[str, list[dict]], ours: str, peer: str, name: str) -> None:
+    """ours / peer of the medians (32 chats as `name`, one chat as `name`_single) and of every round."""
+    if not (runs.get(ours) and runs.get(peer)):
+        return
+    for key, label in (("tok_s", name), ("single_tok_s", f"{name}_single")):
+        row[label] = round(row[f"{ours}_{key}"] / row[f"{peer}_{key}"], 2)
+        row[f"{label}_rounds"] = [round(e[key] / p[key], 2) for e, p in zip(runs[ours], runs[peer])]
 
 
 def main() -> None:
@@ -369,38 +392,18 @@ def main() -> None:
         row: dict = {"weights_mb": round(weight_bytes(dtype) / 1e6), "missing": {}}
         bound = bandwidth * 1e9 / weight_bytes(dtype)
         row["single_bound_tok_s"] = round(bound, 1)
-        runs: dict[str, list[dict]] = {system: [] for system in systems}
-        for turn in range(args.rounds):
-            for system in systems:
-                if system in row["missing"]:
-                    continue
-                try:
-                    figures = runners[system](args.build, workload, dtype, args.output_tokens)
-                except (RuntimeError, ValueError, subprocess.TimeoutExpired) as error:
-                    row["missing"][system] = str(error)
-                    runs[system] = []
-                    print(f"{system} {dtype}: missing: {error}", flush=True)
-                    continue
-                runs[system].append(figures)
-                print(f"round {turn + 1}/{args.rounds}: {system} {dtype}: {figures['tok_s']} tok/s at "
-                      f"{figures.get('chats')} chats, {figures['single_tok_s']} tok/s alone, "
-                      f"start-up {figures['startup_s']} s", flush=True)
+        runs = run_rounds({system: (lambda system=system: runners[system](args.build, workload, dtype, args.output_tokens))
+                           for system in systems}, args.rounds, dtype, row)
         for system, figures in runs.items():
             if not figures:
                 continue
-            for key in ("tok_s", "single_tok_s", "startup_s"):
-                row[f"{system}_{key}"] = round(statistics.median(f[key] for f in figures), 2)
-                row[f"{system}_{key}_rounds"] = [f[key] for f in figures]
-            row[f"{system}_single_bound_share"] = round(row[f"{system}_single_tok_s"] / bound, 3)
+            add_medians(row, system, figures, bound)
             if system == "engine" and all("compiled_ready_s" in f for f in figures):
                 # when its compiled lone-chat step was ready (loaded, or built on a first run)
                 row["engine_compiled_ready_s_rounds"] = [f["compiled_ready_s"] for f in figures]
                 row["engine_compiled_rounds"] = [f["compiled"] for f in figures]
         for peer in ("vllm", "llamacpp"):
-            if runs.get(peer) and runs.get("engine"):
-                for key, name in (("tok_s", f"engine_over_{peer}"), ("single_tok_s", f"engine_over_{peer}_single")):
-                    row[name] = round(row[f"engine_{key}"] / row[f"{peer}_{key}"], 2)
-                    row[f"{name}_rounds"] = [round(e[key] / p[key], 2) for e, p in zip(runs["engine"], runs[peer])]
+            add_ratios(row, runs, "engine", peer, f"engine_over_{peer}")
         results[dtype] = row
 
     print()
@@ -411,11 +414,7 @@ def main() -> None:
     print("-" * len(header))
     for dtype, row in results.items():
         for system in systems:
-            if f"{system}_tok_s" not in row:
-                print(f"{system:<10} {dtype:<9} {'missing':>15}")
-                continue
-            print(f"{system:<10} {dtype:<9} {row[f'{system}_tok_s']:>15.1f} {row[f'{system}_single_tok_s']:>13.1f} "
-                  f"{row[f'{system}_single_bound_share']:>15.0%} {row[f'{system}_startup_s']:>11.1f}")
+            print(f"{system:<10} {dtype:<9} {figure_cells(row, system)}")
         print(f"{'bound':<10} {dtype:<9} {'':>15} {row['single_bound_tok_s']:>13.1f}   (read bandwidth / weight bytes)")
         for peer in ("vllm", "llamacpp"):
             if f"engine_over_{peer}" in row:
