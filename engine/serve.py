@@ -69,8 +69,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              f"default {DEFAULT_HASH_ALGO})")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=env("PAGEDCHAT_QUANTIZATION", "auto"),
                         help="a GGUF file's quantized weights: native keeps them quantized and multiplies them "
-                             "natively (CPU), dequantize makes them dense at load, auto picks native on a CPU "
-                             "($PAGEDCHAT_QUANTIZATION; default auto)")
+                             "natively (CPU), dequantize makes them dense at load, auto picks native on a CPU for a "
+                             "file 1 GiB or more dense ($PAGEDCHAT_QUANTIZATION; default auto)")
     parser.add_argument("--engine-in-process", action="store_true",
                         default=env("PAGEDCHAT_ENGINE_IN_PROCESS", "") not in ("", "0"),
                         help="run the engine on a thread of the server's process, not in a process of its own "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -162,8 +162,8 @@ def _quantized_matrix(raw: torch.Tensor, tensor, shape: tuple[int, ...], process
     rows = torch.arange(shape[0], dtype=torch.float64).reshape(shape[0], 1)
     order = processor.process(weights=rows, name=tensor.name).weights.reshape(-1).long()
     if not torch.equal(order, torch.arange(shape[0])):
-        groups = type(groups)(*(None if t is None else t[order] for t in
-                                (groups.quants, groups.d, groups.sc, groups.dm, groups.mn)))
+        groups = replace(groups, **{part: getattr(groups, part)[order] for part in ("quants", "d", "sc", "dm", "mn")
+                                    if getattr(groups, part) is not None})
     return QuantizedMatrix.of(groups, gguf_formats.check_type(tensor.tensor_type).name)
 
 

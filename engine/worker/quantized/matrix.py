@@ -6,10 +6,12 @@ features, 4-bit formats (Q4_0, Q4_1, Q4_K) two to a byte, the others (Q8_0, Q5_K
 an int8, and the formats' own scale factors beside them. Memory per weight, against the file's:
 Q4_0 5.0 bits (4.5), Q4_1 5.0 (5.0), Q4_K 4.6 (4.5), Q8_0 8.5 (8.5), Q6_K 8.6 (6.6), Q5_K 8.6 (5.5).
 
-`matmul(x)` quantizes x's rows to int8 per 32 (as llama.cpp does) and sums each group in
-integers; the result differs from `x @ dequantize().T` by the activations' rounding, at most
-sum |w| * dx / 2 per output (dx = a chunk's max |x| / 127). `rows(ids)` dequantizes rows (an
-embedding lookup).
+`matmul(x)` quantizes x's rows to int8 per 32 (as llama.cpp does), by default in two levels (the
+row, then what rounding left out), and sums each group in integers; the result differs from
+`x @ dequantize().T` by the activations' rounding: at most sum |q * scale| * dx / 2 per output
+with one level (dx = a chunk's max |x| / 127), 254 times less with two. One level agreed with
+the dequantized embedded SmolLM2 on 90.6% of next tokens, two on 100%
+(benchmarks/gguf_quality.py). `rows(ids)` dequantizes rows (an embedding lookup).
 """
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def _cpu_flags() -> str:
 def library_path(compiler: str) -> Path:
     from engine.worker.compiled_decode import packages_folder
 
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     identity = "\n".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_flags()])
     return packages_folder() / f"qmatmul-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
 

@@ -1,6 +1,7 @@
-/* y = x @ W.T on a CPU for a weight W kept in GGUF's quantized groups, as llama.cpp multiplies
-   them: each row of x is quantized to int8 per 32 values (a float scale each), and a group's dot
-   product is summed in integers, then scaled once in float.
+/* y = x @ W.T on a CPU for a weight W kept in GGUF's quantized groups, in llama.cpp's manner:
+   each row of x is quantized to int8 per 32 values (a float scale each), and a group's dot
+   product is summed in integers, then scaled once in float. Unlike llama.cpp, a row goes in as
+   two int8 levels (see quantize_chunks), so the result is the dequantized model's.
 
    Weights. A weight is `q * scale + offset` over groups of `gs` (16 or 32) consecutive k:
      scale  = d[g / sg] * sc[g]   (sc absent: 1)
@@ -16,8 +17,9 @@
                                                  high nibble k = 32c + 16 + 4t + i
 
    Activations. Row r's 32 values of chunk c become xq = round(x / dx), dx = max|x| / 127 (as
-   llama.cpp's q8 rows), with xsum = the float sum of the 32 values for the offsets:
-   x . (q*s + o) ~= s * dx * (xq . q) + o * xsum.
+   llama.cpp's q8 rows), and with two levels also what that left out, rounded the same way; xsum
+   = the float sum of the 32 values for the offsets: x . (q*s + o) ~= s * sum over levels of
+   dx * (xq . q) + o * xsum.
 
    Rows are taken MT at a time so a block's weights, loaded once, serve several rows from L1. */
 #include <math.h>

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.worker.quantized import native
 from engine.worker.quantized.matrix import QuantizedMatrix, matmul, parts
 
 
@@ -18,10 +19,12 @@ class QuantizedLinear:
         self.in_features = self.parts[0].in_features
         self.out_features = sum(part.out_features for part in self.parts)
         self.bias = bias
-        self._part_array = parts(self.parts)  # built once: a decode step makes ~100 of these calls
+        # Taken once: a decode step makes ~100 of these calls.
+        self._part_array = parts(self.parts)
+        self._lib = native.library()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = matmul(x, self.parts, part_array=self._part_array)
+        y = matmul(x, self.parts, lib=self._lib, part_array=self._part_array)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
