@@ -150,8 +150,12 @@ def test_only_stop_is_enabled_while_a_reply_streams(served, profiles):
     expect(bubbles(page, "bot")).to_have_count(1)
     assert DONE not in bubbles(page, "bot").last.inner_text()
     expect_controls(page, replying=True)
+    # The next message can be typed while the reply streams: the reply's updates leave it be.
+    box = page.get_by_placeholder("Message PagedChat…")
+    box.fill("Typed while the reply streams")
     wait_for_reply(page, 1)
     expect_controls(page, replying=False)
+    expect(box).to_have_value("Typed while the reply streams")
 
     # The same for Enter in the message box and for Regenerate.
     page.get_by_placeholder("Message PagedChat…").fill("Enter sends too")

@@ -92,10 +92,18 @@ class ChatEvents:
             views = await asyncio.to_thread(self.chat.send, user, conversation_id, message,
                                             presets.system_prompt(preset, custom), (temperature, top_p, max_tokens),
                                             identity.origin_of(request))
-        # A refused message stays in the box, to be shortened.
-        async for outputs in relay(views, lambda view: (*chat_and_id(view), message if view.refused else ""),
-                                   self._gone(request)):
-            yield outputs
+        # The box is set once, by the first view: emptied, or a refused message left in it to be
+        # shortened. Later views leave it alone, so the next message can be typed while this reply
+        # streams (each view, and the event's completion, would otherwise empty it again).
+        first = True
+
+        def outputs(view: ChatView) -> tuple:
+            nonlocal first
+            box, first = (message if view.refused else "") if first else gr.skip(), False
+            return (*chat_and_id(view), box)
+
+        async for shown in relay(views, outputs, self._gone(request)):
+            yield shown
 
     async def on_regenerate(self, user_id: str, conversation_id: int | None, temperature: float, top_p: float,
                             max_tokens: float, request: gr.Request,
