@@ -14,7 +14,7 @@ import time
 import pytest
 
 pytest.importorskip("gradio")
-from web_browser import Browser, browser, png_size, screenshot_target, serve, set_slider, sync_api  # noqa: E402,F401  (browser: a fixture)
+from web_browser import Browser, browser, png_size, screenshot_target, serve, set_params, sync_api  # noqa: E402,F401  (browser: a fixture)
 from served_app import served_chat  # noqa: E402
 from waiting import DEADLINE_S, poll, wait_for  # noqa: E402
 
@@ -47,15 +47,6 @@ def profiles(browser, served):
 
 
 # ---- what a person does on the page -------------------------------------------------------------
-def set_params(page, max_tokens: int, temperature: float = 0.0) -> None:
-    """Type the values into the sliders' number boxes (in the parameters accordion)."""
-    max_box = page.get_by_role("spinbutton", name="number input for Max new tokens")
-    if not max_box.is_visible():
-        page.get_by_text("System prompt and parameters").click()
-    set_slider(page, "Max new tokens", max_tokens)
-    set_slider(page, "Temperature", temperature)
-
-
 def send(page, text: str) -> None:
     page.get_by_placeholder("Message PagedChat…").fill(text)
     page.get_by_role("button", name="Send", exact=True).click()

@@ -23,7 +23,7 @@ from fake_openid import FakeOpenID
 from playwright.sync_api import expect
 from served_app import Served, free_port
 from waiting import DEADLINE_S
-from web_browser import Browser, browser  # noqa: F401  (the module's chromium)
+from web_browser import Browser, browser, set_params  # noqa: F401  (the module's chromium)
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -129,7 +129,9 @@ def chat_titles(page) -> list[str]:
 
 
 def chat(page, text: str) -> None:
-    """A message sent and answered in a new chat (the tiny model's reply is gibberish, but a reply)."""
+    """A message sent and answered in a new chat (the tiny model's reply is gibberish, but a reply,
+    of 8 tokens: at the default 512 each chat took ~15 s of the Space's streaming here)."""
+    set_params(page, max_tokens=8)
     page.get_by_role("button", name="New chat").click()
     expect(page.locator('[data-testid="user"]')).to_have_count(0)  # the new chat shown before sending into it
     page.get_by_placeholder("Message PagedChat…").fill(text)

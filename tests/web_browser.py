@@ -99,3 +99,12 @@ def set_slider(page, label: str, value: float) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"{label} stayed at {slider.input_value()}")
+
+
+def set_params(page, max_tokens: int, temperature: float = 0.0) -> None:
+    """Type the values into the chat page's sliders' number boxes (in the parameters accordion)."""
+    max_box = page.get_by_role("spinbutton", name="number input for Max new tokens")
+    if not max_box.is_visible():
+        page.get_by_text("System prompt and parameters").click()
+    set_slider(page, "Max new tokens", max_tokens)
+    set_slider(page, "Temperature", temperature)
