@@ -148,7 +148,8 @@ def test_only_stop_is_enabled_while_a_reply_streams(served, profiles):
     expect_controls(page, replying=False)
     expect(box).to_have_value("Typed while the reply streams")
 
-    # The same for Enter in the message box and for Regenerate.
+    # The same for Enter in the message box and for Regenerate (shorter replies: still seconds).
+    set_params(page, max_tokens=150)
     page.get_by_placeholder("Message PagedChat…").fill("Enter sends too")
     page.get_by_placeholder("Message PagedChat…").press("Enter")
     expect(bubbles(page, "bot")).to_have_count(2)
