@@ -7,16 +7,21 @@ yield, which for a reply still waiting for its first token can be many seconds a
 holding the request's KV blocks. `SessionWatch` is ASGI middleware that sees the stream's
 disconnect as it happens and sets the session's event in `Sessions`; `until_gone` ends a
 handler's stream of views the moment that event is set, cancelling the view being produced.
+It also ends quietly a stream Gradio has no more messages for (see `SessionWatch`).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs
 
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
 
 EVENT_STREAM_PATH = "/queue/data"  # Gradio's per-session event stream (after its API prefix)
 
@@ -88,8 +93,25 @@ class SessionWatch:
                 watched.gone.set()  # at once: the response may take a while to notice
             return message
 
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, watched_receive, send)
+            await self.app(scope, watched_receive, watched_send)
+        except RuntimeError as error:
+            # Gradio (6.31, routes.sse_stream) raises 404 inside a stream already under way when
+            # the session's queue was cleaned meanwhile (its page navigated away, as signing in
+            # does, while an event of it was ending): the stream has nothing more to send. Starlette
+            # can only re-raise it ("response already started"), and uvicorn logs a traceback.
+            gone = isinstance(error.__cause__, HTTPException) and error.__cause__.status_code == 404
+            if not (started and gone):
+                raise
+            log.debug("session %s: its event stream ended by Gradio's 404 after its queue was cleaned", session_hash)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self.sessions._release(session_hash, watched)
 
