@@ -36,6 +36,17 @@ def wait_until_idle(client):
     return wait_for(idle, lambda: f"the engine idle; still busy: {client.stats()}")
 
 
+def wait_until_replied(client, generated_before: int, tokens: int):
+    """Until the engine is idle in a snapshot taken after it generated a reply of `tokens` (the
+    first is the prefill's): a snapshot from before the request was admitted also reads idle, and
+    a reader can get its first delta before the engine publishes the step's snapshot."""
+    def replied():
+        stats = client.stats()
+        return stats if stats.total_generated_tokens >= generated_before + tokens - 1 and stats.device_blocks_used == 0 \
+            and stats.num_running + stats.num_waiting + stats.num_swapped == 0 else None
+    return wait_for(replied, lambda: f"the engine done with the reply: {client.stats()}")
+
+
 def test_concurrent_callers_each_get_their_own_complete_reply(client, tiny_model_dir):
     from engine import LLM
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -248,9 +259,10 @@ def test_a_reader_that_falls_behind_gets_the_queued_tokens_merged_in_order(clien
     every character in order, and the final delta still carries the finish and the usage."""
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     expected = "".join(d.text for d in client.submit(QUESTIONS[3], params))
+    generated = client.stats().total_generated_tokens
     stream = client.submit(QUESTIONS[3], params)
     first = next(stream)
-    wait_until_idle(client)  # the whole reply is queued behind the first delta
+    wait_until_replied(client, generated, 60)  # the whole reply is queued behind the first delta
     rest = list(stream)
     assert first.text + "".join(d.text for d in rest) == expected
     assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 60
@@ -261,9 +273,10 @@ def test_an_async_reader_that_falls_behind_gets_them_merged_too(client):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
 
     async def main():
+        generated = client.stats().total_generated_tokens
         stream = await client.asubmit(QUESTIONS[4], params)
         first = await anext(stream)
-        await asyncio.to_thread(wait_until_idle, client)
+        await asyncio.to_thread(wait_until_replied, client, generated, 40)
         return [first] + [d async for d in stream]
 
     deltas = asyncio.run(main())
