@@ -28,23 +28,15 @@ def client(request, tiny_model_dir):
     client.close()
 
 
-def wait_until_idle(client):
+def wait_until_idle(client, generated: int = 0):
+    """Until a stats snapshot reads idle, taken once the engine had generated `generated` tokens
+    in all (a snapshot from before a request was admitted also reads idle, and the thread client
+    routes a step's deltas before it publishes that step's stats)."""
     def idle():
         stats = client.stats()
-        return stats if stats.device_blocks_used == 0 and stats.num_running + stats.num_waiting + stats.num_swapped == 0 \
-            else None
-    return wait_for(idle, lambda: f"the engine idle; still busy: {client.stats()}")
-
-
-def wait_until_replied(client, generated_before: int, tokens: int):
-    """Until the engine is idle in a snapshot taken after it generated a reply of `tokens` (the
-    first is the prefill's): a snapshot from before the request was admitted also reads idle, and
-    a reader can get its first delta before the engine publishes the step's snapshot."""
-    def replied():
-        stats = client.stats()
-        return stats if stats.total_generated_tokens >= generated_before + tokens - 1 and stats.device_blocks_used == 0 \
+        return stats if stats.total_generated_tokens >= generated and stats.device_blocks_used == 0 \
             and stats.num_running + stats.num_waiting + stats.num_swapped == 0 else None
-    return wait_for(replied, lambda: f"the engine done with the reply: {client.stats()}")
+    return wait_for(idle, lambda: f"the engine idle; still busy: {client.stats()}")
 
 
 def test_concurrent_callers_each_get_their_own_complete_reply(client, tiny_model_dir):
@@ -262,7 +254,7 @@ def test_a_reader_that_falls_behind_gets_the_queued_tokens_merged_in_order(clien
     generated = client.stats().total_generated_tokens
     stream = client.submit(QUESTIONS[3], params)
     first = next(stream)
-    wait_until_replied(client, generated, 60)  # the whole reply is queued behind the first delta
+    wait_until_idle(client, generated + 59)  # the whole reply (the first token is the prefill's) is queued
     rest = list(stream)
     assert first.text + "".join(d.text for d in rest) == expected
     assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 60
@@ -276,7 +268,7 @@ def test_an_async_reader_that_falls_behind_gets_them_merged_too(client):
         generated = client.stats().total_generated_tokens
         stream = await client.asubmit(QUESTIONS[4], params)
         first = await anext(stream)
-        await asyncio.to_thread(wait_until_replied, client, generated, 40)
+        await asyncio.to_thread(wait_until_idle, client, generated + 39)
         return [first] + [d async for d in stream]
 
     deltas = asyncio.run(main())

@@ -99,8 +99,10 @@ class ChatEvents:
 
         def outputs(view: ChatView) -> tuple:
             nonlocal first
-            box, first = (message if view.refused else "") if first else gr.skip(), False
-            return (*chat_and_id(view), box)
+            if not first:
+                return (*chat_and_id(view), gr.skip())
+            first = False
+            return (*chat_and_id(view), message if view.refused else "")
 
         async for shown in relay(views, outputs, self._gone(request)):
             yield shown
