@@ -25,7 +25,7 @@ from engine.worker import compiled_decode
 from engine.worker.decode_graphs import BUCKETS
 from engine.worker.host_allocator import keep_freed_memory, release_freed_memory
 from engine.worker.memory import num_device_blocks, num_host_blocks, resolve_device, resolve_dtype
-from engine.worker.model_loader import (DEFAULT_MODEL_NAME, describe_weights, load_hf_model, model_dtype,
+from engine.worker.model_loader import (DEFAULT_MODEL_NAME, describe_weights, load_checkpoint, model_dtype,
                                         resolve_quantization)
 from engine.worker.model_runner import ModelRunner
 from engine.worker.models.llama import LlamaModel
@@ -49,11 +49,11 @@ class EngineCore:
         self.dtype = resolve_dtype(dtype, self.device, model_dtype(model) if dtype in (None, "auto") else None)
         # A GGUF file's quantized weights: kept quantized on a CPU (native) or dequantized at load.
         self.quantization, why = resolve_quantization(quantization, model, self.device, self.dtype)
-        hf_model, self.tokenizer = load_hf_model(model, self.dtype, quantized=self.quantization == "native")
+        checkpoint, self.tokenizer = load_checkpoint(model, self.dtype, quantized=self.quantization == "native")
         self.model_name = model or os.environ.get("MODEL") or DEFAULT_MODEL_NAME
-        self.model = LlamaModel(hf_model, self.dtype, self.device)
-        hf_config = hf_model.config
-        del hf_model
+        self.model = LlamaModel(checkpoint, self.dtype, self.device)
+        hf_config = checkpoint.config
+        del checkpoint
         if self.device.type == "cpu":
             gc.collect()  # the GGUF reader's memory map, in reference cycles
             release_freed_memory()

@@ -24,25 +24,25 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
-# The slowest modules (seconds in `make test`'s two workers on a 2-core AMD EPYC; the compiled
+# The slowest modules (seconds in `make test`'s two workers on a clean clone, 2-core AMD EPYC; the compiled
 # steps' module mostly waits on its builds) start first, so that the two workers end together
 # instead of one finishing a long module alone (`--no-loadscope-reorder` keeps this order: xdist
 # otherwise orders modules by their number of tests).
-SLOWEST_FIRST = ("test_compiled_decode",    # 259
-                 "test_browser",            # 204
-                 "test_benchmark_scripts",  # 146
-                 "test_core_client",        # 87
-                 "test_app",                # 79
-                 "test_engine",             # 68
-                 "test_space",              # 49
-                 "test_panel_browser",      # 44
-                 "test_backends",           # 42
-                 "test_gguf_native",        # 38
-                 "test_gguf_benchmark_model",  # 35
-                 "test_cli",                # 32
-                 "test_triton_kernels",     # 31
-                 "test_client",             # 30
-                 "test_crash_durability")   # 30
+SLOWEST_FIRST = ("test_compiled_decode",    # 262
+                 "test_browser",            # 205
+                 "test_benchmark_scripts",  # 133
+                 "test_triton_compile",     # 99 (Triton's cache is empty on a clean machine)
+                 "test_app",                # 84
+                 "test_core_client",        # 74
+                 "test_backends",           # 59
+                 "test_panel_browser",      # 52
+                 "test_space",              # 51
+                 "test_engine",             # 47
+                 "test_gguf_native",        # 45
+                 "test_gguf_benchmark_model",  # 36
+                 "test_client",             # 33
+                 "test_crash_durability",   # 30
+                 "test_triton_kernels")     # 28
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from engine.worker.model_loader import cache_dir, load_hf_model, resolve_model
+from engine.worker.model_loader import cache_dir, load_checkpoint, resolve_model
 from engine.worker.package_trust import digest_path, digest_problem, folder_problem, install
 from engine.worker.models.llama import LlamaModel
 
@@ -139,9 +139,9 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
     """Export and compile the `kind` step for `model` in `dtype` into the package `out` (written
     whole, its sha256 recorded beside it, then renamed into place: a reader never sees half a
     package)."""
-    hf_model, _ = load_hf_model(model, dtype)
-    program = _export_batch(hf_model, dtype) if kind == "batch" else _export_lone(hf_model, dtype)
-    del hf_model
+    checkpoint, _ = load_checkpoint(model, dtype)
+    program = _export_batch(checkpoint, dtype) if kind == "batch" else _export_lone(checkpoint, dtype)
+    del checkpoint
     # Frozen weights are constants the compiler folds into the graph: a batch's matmuls take
     # them packed for oneDNN; a lone row's are loops over blocks laid out for them (`MatVec` in
     # engine/worker/models/layers/matvec.py). Reassociation and fused multiply-adds let the C++
@@ -170,12 +170,12 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
     return out
 
 
-def _export_lone(hf_model, dtype: torch.dtype):
+def _export_lone(checkpoint, dtype: torch.dtype):
     from torch.export import Dim
 
     from engine.worker.models.decode_step import DecodeStep
 
-    step = DecodeStep(hf_model, dtype).eval()
+    step = DecodeStep(checkpoint, dtype).eval()
     layers, kv_heads, dim = len(step.layers), step.shape.num_kv_heads, step.shape.head_dim
     example = (torch.zeros(1, dtype=torch.int64), torch.ones(1, dim, dtype=dtype), torch.zeros(1, dim, dtype=dtype),
                torch.zeros(layers, 2, kv_heads, 2 * CAPACITY_STEP, dim, dtype=dtype), torch.tensor(1))
@@ -184,12 +184,12 @@ def _export_lone(hf_model, dtype: torch.dtype):
         return torch.export.export(step, example, dynamic_shapes=(None, None, None, {3: capacity}, None))
 
 
-def _export_batch(hf_model, dtype: torch.dtype):
+def _export_batch(checkpoint, dtype: torch.dtype):
     from torch.export import Dim
 
     from engine.worker.models.batch_decode_step import BatchDecodeStep
 
-    step = BatchDecodeStep(hf_model, dtype).eval()
+    step = BatchDecodeStep(checkpoint, dtype).eval()
     layers, kv_heads, dim, bs = len(step.layers), step.shape.num_kv_heads, step.shape.head_dim, BATCH_BLOCK_SIZE
     rows, shared, own = 4, 3, 5  # any sizes: all three are dynamic
     example = (torch.zeros(rows, dtype=torch.int64), torch.ones(rows, dim, dtype=dtype),

@@ -195,9 +195,15 @@ def _record_published_dtype(config_path: Path) -> None:
 def model_dtype(model: str | None = None) -> torch.dtype | None:
     """The dtype `model`'s config says it was published in (None when it says none)."""
     import torch
-    from transformers import AutoConfig
 
-    dtype = getattr(AutoConfig.from_pretrained(resolve_model(model)), "dtype", None)
+    path = resolve_model(model)
+    config_path = Path(path) / "config.json"
+    if config_path.is_file():  # read as json: AutoConfig imports the modelling stack, ~2.5 s of CPU
+        raw = json.loads(config_path.read_text())
+        dtype = raw.get("dtype") or raw.get("torch_dtype")  # transformers 5's key, then the older one
+    else:
+        from transformers import AutoConfig
+        dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else None
@@ -258,6 +264,22 @@ def load_hf_model(model: str | None = None, dtype: torch.dtype | None = None, qu
     return hf_model, load_tokenizer(path)
 
 
+def load_checkpoint(model: str | None = None, dtype: torch.dtype | None = None, quantized: bool = False):
+    """(checkpoint, tokenizer) for `model`: what the engine's decoder takes (checkpoint.py), read
+    from a Llama folder's safetensors directly where checkpoint.read_folder can, else taken from
+    load_hf_model's transformers model. Refuses unsupported architectures before any weights."""
+    import torch
+
+    from engine.worker.checkpoint import of_transformers, read_folder
+
+    dtype = dtype or torch.float32
+    path = resolve_model(model)
+    if not quantized and gguf_source(path) is None and (checkpoint := read_folder(path, dtype)) is not None:
+        return checkpoint, load_tokenizer(path)
+    hf_model, tokenizer = load_hf_model(model, dtype, quantized=quantized)
+    return of_transformers(hf_model), tokenizer
+
+
 # auto keeps a file's weights quantized from this many dense bytes on (see resolve_quantization).
 NATIVE_FROM_DENSE_BYTES = 1 << 30
 
@@ -287,8 +309,10 @@ def resolve_quantization(quantization: str | None, model: str | None, device: to
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
     source = gguf_source(resolve_model(model))
-    from engine.worker.gguf_formats import QUANTIZED_TYPES
-    quantized_file = source is not None and source.get("main_type") in {t.name for t in QUANTIZED_TYPES}
+    quantized_file = False
+    if source is not None:  # gguf_formats imports gguf: ~0.5 s of CPU that other models skip
+        from engine.worker.gguf_formats import QUANTIZED_TYPES
+        quantized_file = source.get("main_type") in {t.name for t in QUANTIZED_TYPES}
     if not quantized_file:
         what = "a GGUF file whose weights are not quantized" if source else "not a GGUF file"
         if quantization == "native":

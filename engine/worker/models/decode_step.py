@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.worker.checkpoint import Checkpoint, as_checkpoint
 from engine.worker.models.layers.activation import silu_and_mul
 from engine.worker.models.layers.attention import attend
 from engine.worker.models.layers.matvec import MatVec
@@ -30,10 +31,12 @@ class FrozenDecoder(torch.nn.Module):
     """The decoder's weights as frozen parameters (what the compiler folds into its graph as
     constants) and its RMSNorm; the decode graphs below are written on it."""
 
-    def __init__(self, hf_model, dtype: torch.dtype) -> None:
+    def __init__(self, source: Checkpoint | torch.nn.Module, dtype: torch.dtype) -> None:
+        """`source`: the model's checkpoint, or a transformers model to take it from."""
         super().__init__()
-        self.shape, self.dtype = DecoderShape.of(hf_model.config), dtype
-        weights = DecoderWeights.of(hf_model, dtype, torch.device("cpu"))
+        checkpoint = as_checkpoint(source)
+        self.shape, self.dtype = DecoderShape.of(checkpoint.config), dtype
+        weights = DecoderWeights.of(checkpoint, dtype, torch.device("cpu"))
         self.embed, self.norm = frozen(weights.embed), frozen(weights.norm)
         self.lm_head = self.embed if weights.lm_head is weights.embed else frozen(weights.lm_head)
         self.layers = torch.nn.ModuleList()
@@ -51,8 +54,8 @@ class DecodeStep(FrozenDecoder):
     engine/worker/compiled_decode.py) compute it once into a buffer rather than again for every
     block of weights, and two equal halves fuse into one loop that streams both."""
 
-    def __init__(self, hf_model, dtype: torch.dtype) -> None:
-        super().__init__(hf_model, dtype)
+    def __init__(self, source: Checkpoint | torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__(source, dtype)
         q_rows = self.shape.q_size
         for layer in self.layers:
             plain = {name: getattr(layer, name) for name in ("qkv", "qkv_bias", "o_proj", "gate_up", "down")}

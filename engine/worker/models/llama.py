@@ -4,7 +4,7 @@ One forward pass takes the tokens of every scheduled request flattened into one 
 their positions; attention writes each token's K/V into the paged cache and reads each
 request's context back through its block table (kernels.paged_attention). Logits are computed
 only for the rows that sample. The layers' maths is models/layers/'s, shared with the compiled
-decode steps; weights come from the transformers model (models/weights.py), q/k/v and gate/up
+decode steps; weights come from the model's checkpoint (models/weights.py), q/k/v and gate/up
 projections fused into one matmul each.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from engine.worker.checkpoint import Checkpoint, as_checkpoint
 from engine.worker.models.layers.activation import silu_and_mul
 from engine.worker.models.layers.linear import Linear, settle_few_row_path
 from engine.worker.models.layers.quantized_linear import QuantizedLinear
@@ -51,11 +52,13 @@ def linear(weight: Weight, bias: torch.Tensor | None = None) -> Linear | Quantiz
 
 
 class LlamaModel:
-    def __init__(self, hf_model, dtype: torch.dtype, device: torch.device) -> None:
-        self.shape = shape = DecoderShape.of(hf_model.config)
+    def __init__(self, source: Checkpoint | torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        """`source`: the model's checkpoint, or a transformers model to take it from."""
+        checkpoint = as_checkpoint(source)
+        self.shape = shape = DecoderShape.of(checkpoint.config)
         self.dtype, self.device = dtype, device
 
-        weights = DecoderWeights.of(hf_model, dtype, device)
+        weights = DecoderWeights.of(checkpoint, dtype, device)
         self.embed = weights.embed
         self.norm = RMSNorm(weights.norm, shape.eps)
         self.tied = weights.tied
@@ -71,7 +74,7 @@ class LlamaModel:
         settle_few_row_path(
             [linear for layer in self.layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             + [self.lm_head])
-        self.rotary = RotaryTable(hf_model, dtype, device)
+        self.rotary = RotaryTable(checkpoint, dtype, device)
         self._kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     @property

@@ -1,4 +1,5 @@
-"""The decoder's weights as every path computes with them, taken once from a transformers model.
+"""The decoder's weights as every path computes with them, taken once from its checkpoint
+(engine/worker/checkpoint.py).
 
 A projection's weight is a plain matrix, or, for a GGUF file served with its quantized weights
 (gguf_file.load_model(quantized=True)), the list of its quantized parts (q, k and v; gate and
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.worker.checkpoint import Checkpoint
 from engine.worker.quantized.matrix import QuantizedMatrix
 
 Weight = torch.Tensor | list[QuantizedMatrix]
@@ -33,7 +35,7 @@ class LayerWeights:
 
 @dataclass
 class DecoderWeights:
-    """The decoder's weights as the engine computes with them, taken from a transformers model.
+    """The decoder's weights as the engine computes with them, taken from its checkpoint.
     A tied output embedding is the input embedding itself (`lm_head is embed`, or for a quantized
     one `lm_head == [embed]`)."""
     embed: torch.Tensor | QuantizedMatrix
@@ -46,9 +48,8 @@ class DecoderWeights:
         return self.lm_head is self.embed or (isinstance(self.lm_head, list) and self.lm_head[0] is self.embed)
 
     @classmethod
-    def of(cls, hf_model, dtype: torch.dtype, device: torch.device) -> DecoderWeights:
-        quantized: dict[str, QuantizedMatrix] = getattr(hf_model, "quantized_weights", None) or {}
-        parameters = dict(hf_model.named_parameters(remove_duplicate=False))
+    def of(cls, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> DecoderWeights:
+        quantized, parameters = checkpoint.quantized, checkpoint.parameters
 
         def take(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device=device, dtype=dtype).contiguous()
@@ -69,12 +70,12 @@ class DecoderWeights:
             embed = take(parameters["model.embed_tokens.weight"])
         if "lm_head.weight" in quantized:
             lm_head = [quantized["lm_head.weight"]]
-        elif _tied(hf_model):
+        elif checkpoint.tied:
             lm_head = [embed] if isinstance(embed, QuantizedMatrix) else embed
         else:
             lm_head = take(parameters["lm_head.weight"])
         layers = []
-        for i in range(len(hf_model.model.layers)):
+        for i in range(checkpoint.num_layers):
             prefix = f"model.layers.{i}"
             attn = [f"{prefix}.self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj")]
             mlp = [f"{prefix}.mlp.{name}" for name in ("gate_proj", "up_proj")]
@@ -85,11 +86,3 @@ class DecoderWeights:
                 gate_up=projection(*mlp), down=projection(f"{prefix}.mlp.down_proj")))
         return cls(embed, take(parameters["model.norm.weight"]), lm_head, layers)
 
-
-def _tied(hf_model) -> bool:
-    """The output embedding is the input one (a quantized model's are on the meta device, where
-    storage cannot tell: its config says)."""
-    inner, head = hf_model.model.embed_tokens.weight, hf_model.get_output_embeddings().weight
-    if head.is_meta or inner.is_meta:
-        return bool(getattr(hf_model.config, "tie_word_embeddings", False))
-    return head.data_ptr() == inner.data_ptr()

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import torch
 
+from engine.worker.checkpoint import Checkpoint
+
 
 class RotaryTable:
     """cos and signed sin by position, `[length, 2, head_dim]` in the model's dtype, computed in
     fp32 as transformers does and grown on demand."""
 
-    def __init__(self, hf_model, dtype: torch.dtype, device: torch.device) -> None:
-        rotary = hf_model.model.rotary_emb
-        self.inv_freq = rotary.inv_freq.detach().float().to(device)
-        self.scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
+        self.inv_freq = checkpoint.inv_freq.to(device)
+        self.scaling = checkpoint.attention_scaling
         self.dtype, self.device = dtype, device
-        self.table = self._make(getattr(hf_model.config, "max_position_embeddings", 4096))
+        self.table = self._make(getattr(checkpoint.config, "max_position_embeddings", 4096))
 
     def _make(self, length: int) -> torch.Tensor:
         positions = torch.arange(length, device=self.device, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""The decoder's sizes and constants, read once from its transformers config."""
+"""The decoder's sizes and constants, read once from its config (a transformers config, or config.json's keys)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
