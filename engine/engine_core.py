@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import time
+from functools import cached_property
 
 import torch
 
@@ -25,8 +26,8 @@ from engine.worker import compiled_decode
 from engine.worker.decode_graphs import BUCKETS
 from engine.worker.host_allocator import keep_freed_memory, release_freed_memory
 from engine.worker.memory import num_device_blocks, num_host_blocks, resolve_device, resolve_dtype
-from engine.worker.model_loader import (DEFAULT_MODEL_NAME, describe_weights, load_checkpoint, model_dtype,
-                                        resolve_quantization)
+from engine.worker.model_loader import (DEFAULT_MODEL_NAME, describe_weights, eos_token_id, load_checkpoint,
+                                        load_tokenizer, model_dtype, resolve_quantization)
 from engine.worker.model_runner import ModelRunner
 from engine.worker.models.llama import LlamaModel
 
@@ -49,7 +50,8 @@ class EngineCore:
         self.dtype = resolve_dtype(dtype, self.device, model_dtype(model) if dtype in (None, "auto") else None)
         # A GGUF file's quantized weights: kept quantized on a CPU (native) or dequantized at load.
         self.quantization, why = resolve_quantization(quantization, model, self.device, self.dtype)
-        checkpoint, self.tokenizer = load_checkpoint(model, self.dtype, quantized=self.quantization == "native")
+        checkpoint = load_checkpoint(model, self.dtype, quantized=self.quantization == "native")
+        self._model = model
         self.model_name = model or os.environ.get("MODEL") or DEFAULT_MODEL_NAME
         self.model = LlamaModel(checkpoint, self.dtype, self.device)
         hf_config = checkpoint.config
@@ -97,12 +99,18 @@ class EngineCore:
             self.compiled = compiled_decode.CompiledDecode(model, self.dtype, self.model)
         self.runner = ModelRunner(self.model, device_blocks, host_blocks, block_size, max_model_len, graph_batch,
                                   self.compiled)
-        self.eos_token_id = self.tokenizer.eos_token_id
+        self.eos_token_id = eos_token_id(model)
         self._emitted: dict[str, int] = {}  # request id -> output tokens already handed back
         # $PAGEDCHAT_STEP_LOG: a JSON line per step (its shape, how it ran, how long it took), for
         # profiling a server under load (benchmarks/step_log.py reads it).
         log_path = os.environ.get("PAGEDCHAT_STEP_LOG")
         self._step_log = open(log_path, "a", buffering=1) if log_path else None
+
+    @cached_property
+    def tokenizer(self):
+        """The model's tokenizer, loaded when first asked for: an in-process engine (LLMEngine)
+        needs it, a core process (engine/core_process.py) only the end-of-sequence id."""
+        return load_tokenizer(self._model)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, *,

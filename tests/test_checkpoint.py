@@ -1,6 +1,7 @@
 """A Llama folder's checkpoint read from its safetensors (engine/worker/checkpoint.py) is what the
-transformers model of the same folder gives, to the bit; what it does not read goes through
-transformers; and an engine started on such a folder never imports transformers' modelling stack."""
+transformers model of the same folder gives, to the bit, and its end-of-sequence id what its
+tokenizer says; what is not read directly goes through transformers; and an engine core started
+on such a folder never imports transformers."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.worker.checkpoint import Checkpoint, of_transformers, read_folder
-from engine.worker.model_loader import load_checkpoint, load_hf_model
+from engine.worker.model_loader import eos_token_id, load_checkpoint, load_hf_model
 from engine.worker.models.layers.shape import DecoderShape
 
 
@@ -113,23 +114,38 @@ def test_what_it_does_not_read_goes_through_transformers(tiny_model_dir, tmp_pat
         save_file(tensors, f"{folder}/model.safetensors")
     assert read_folder(folder, torch.float32) is None
     if change in ("another family", "yarn scaling"):  # transformers serves these
-        checkpoint, _ = load_checkpoint(folder)
+        checkpoint = load_checkpoint(folder)
         assert hasattr(checkpoint.config, "to_dict")  # a transformers config: its model's checkpoint
         assert_same(checkpoint, of_transformers(load_hf_model(folder)[0]))
 
 
-def test_an_engine_on_a_folder_never_imports_the_modelling_stack(tiny_model_dir):
-    """The point of reading folders directly: a core's start skips transformers' model classes
-    and what they import (torch._dynamo, torch.distributed.tensor), and still decodes."""
+@pytest.mark.parametrize("model", ["tiny folder", "embedded default", "GGUF file"])
+def test_the_eos_id_read_without_transformers_is_the_tokenizers(model, tiny_model_dir, tmp_path):
+    from engine.worker.model_loader import embedded_gguf_path, load_tokenizer, resolve_model
+    name = {"tiny folder": tiny_model_dir, "embedded default": None, "GGUF file": embedded_gguf_path()}[model]
+    assert eos_token_id(name) == load_tokenizer(name).eos_token_id == 2
+    # a folder whose special_tokens_map.json names another end token: the tokenizer decides
+    folder = tmp_path / "mapped"
+    shutil.copytree(resolve_model(name), folder)
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_start|>"}))
+    assert eos_token_id(str(folder)) == load_tokenizer(str(folder)).eos_token_id
+
+
+def test_a_core_on_a_folder_never_imports_transformers(tiny_model_dir):
+    """The point of reading folders directly: an engine core (what engine/core_process.py runs)
+    starts and decodes without importing transformers, whose modelling stack alone pulls in
+    torch._dynamo and torch.distributed.tensor."""
     script = f"""
 import sys
-from engine import LLM, SamplingParams
-llm = LLM({tiny_model_dir!r}, num_gpu_blocks=32, num_cpu_blocks=0, compile_decode=False)
-out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
-heavy = [m for m in ("torch._dynamo", "torch.distributed.tensor", "transformers.models.llama.modeling_llama",
-                     "transformers.models.auto.modeling_auto") if m in sys.modules]
-print(len(out.outputs[0].token_ids), heavy)
+from engine.core.sampling_params import SamplingParams
+from engine.engine_core import EngineCore
+core = EngineCore({tiny_model_dir!r}, num_gpu_blocks=32, num_cpu_blocks=0, compile_decode=False)
+core.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+tokens = []
+while core.has_unfinished():
+    tokens += [t for out in core.step() for t in out.token_ids]
+print(len(tokens), core.eos_token_id, [m for m in ("transformers", "torch._dynamo") if m in sys.modules])
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[-2] == "4 []"
+    assert done.stdout.split("\n")[-2] == "4 2 []"

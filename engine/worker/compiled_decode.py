@@ -139,7 +139,7 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
     """Export and compile the `kind` step for `model` in `dtype` into the package `out` (written
     whole, its sha256 recorded beside it, then renamed into place: a reader never sees half a
     package)."""
-    checkpoint, _ = load_checkpoint(model, dtype)
+    checkpoint = load_checkpoint(model, dtype)
     program = _export_batch(checkpoint, dtype) if kind == "batch" else _export_lone(checkpoint, dtype)
     del checkpoint
     # Frozen weights are constants the compiler folds into the graph: a batch's matmuls take

@@ -265,9 +265,9 @@ def load_hf_model(model: str | None = None, dtype: torch.dtype | None = None, qu
 
 
 def load_checkpoint(model: str | None = None, dtype: torch.dtype | None = None, quantized: bool = False):
-    """(checkpoint, tokenizer) for `model`: what the engine's decoder takes (checkpoint.py), read
-    from a Llama folder's safetensors directly where checkpoint.read_folder can, else taken from
-    load_hf_model's transformers model. Refuses unsupported architectures before any weights."""
+    """`model`'s checkpoint, what the engine's decoder takes (checkpoint.py): read from a Llama
+    folder's safetensors directly where checkpoint.read_folder can, else taken from load_hf_model's
+    transformers model. Refuses unsupported architectures before any weights."""
     import torch
 
     from engine.worker.checkpoint import of_transformers, read_folder
@@ -275,9 +275,32 @@ def load_checkpoint(model: str | None = None, dtype: torch.dtype | None = None, 
     dtype = dtype or torch.float32
     path = resolve_model(model)
     if not quantized and gguf_source(path) is None and (checkpoint := read_folder(path, dtype)) is not None:
-        return checkpoint, load_tokenizer(path)
-    hf_model, tokenizer = load_hf_model(model, dtype, quantized=quantized)
-    return of_transformers(hf_model), tokenizer
+        return checkpoint
+    return of_transformers(load_hf_model(model, dtype, quantized=quantized)[0])
+
+
+def eos_token_id(model: str | None = None) -> int | None:
+    """The id of `model`'s end-of-sequence token, as its tokenizer (load_tokenizer) says. A folder
+    whose tokenizer_config.json names the token and the tokenizers-backed class is read with the
+    `tokenizers` library alone: an engine core needs this id, not the tokenizer, and importing
+    transformers for it is ~2.5 s of its start's CPU. Anything else loads the tokenizer."""
+    path = resolve_model(model)
+    folder = Path(path)
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    eos = config.get("eos_token")
+    if isinstance(eos, dict):  # an AddedToken written out
+        eos = eos.get("content")
+    # special_tokens_map.json (older saves) can name the tokens too: the tokenizer decides then.
+    if (isinstance(eos, str) and config.get("tokenizer_class") in TOKENIZERS_BACKED
+            and (folder / "tokenizer.json").is_file() and not (folder / "special_tokens_map.json").exists()):
+        from tokenizers import Tokenizer
+        token_id = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(eos)
+        if token_id is not None:
+            return token_id
+    return load_tokenizer(path).eos_token_id
 
 
 # auto keeps a file's weights quantized from this many dense bytes on (see resolve_quantization).
