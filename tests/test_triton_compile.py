@@ -21,6 +21,9 @@ SHARED_LIMIT = {90: 232_448, 89: 101_376}
 @pytest.fixture(scope="module")
 def compiled():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # Without source-line debug info: a quarter less CPU (72 -> 54 s for sm_89 on a 2-core EPYC),
+    # the same shared memory for all 44 kernels (line info adds debug sections, not code).
+    env["TRITON_DISABLE_LINE_INFO"] = "1"
     done = subprocess.run([sys.executable, str(SCRIPT), "90", "89"], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
