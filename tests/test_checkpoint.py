@@ -18,11 +18,14 @@ from engine.worker.model_loader import eos_token_id, load_checkpoint, load_hf_mo
 from engine.worker.models.layers.shape import DecoderShape
 
 
+def used(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """The weights the decoder reads (a tied head is the embedding, whatever lm_head.weight holds)."""
+    return {name: t for name, t in checkpoint.parameters.items()
+            if not (checkpoint.tied and name == "lm_head.weight")}
+
+
 def assert_same(read: Checkpoint, taken: Checkpoint) -> None:
     assert read.tied == taken.tied
-    def used(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:  # a tied head is the embedding
-        return {name: t for name, t in checkpoint.parameters.items() if not (checkpoint.tied and name == "lm_head.weight")}
-
     wanted, got = used(taken), used(read)
     assert got.keys() == wanted.keys()
     for name, tensor in wanted.items():

@@ -35,8 +35,9 @@ LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_wo
 @dataclass
 class Checkpoint:
     """A decoder's config (a transformers config, or config.json's keys as attributes), its
-    weights by transformers' names (an output head tied to the input embedding is not listed),
-    the GGUF matrices kept quantized, and its rotary frequencies (fp32) and cos/sin scaling."""
+    weights by transformers' names, the GGUF matrices kept quantized, and its rotary frequencies
+    (fp32) and cos/sin scaling. When `tied`, the output head is the input embedding, whatever
+    `parameters` holds under lm_head.weight (a folder's read leaves it out)."""
     config: Any
     parameters: dict[str, torch.Tensor]
     inv_freq: torch.Tensor
