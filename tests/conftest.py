@@ -24,25 +24,36 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
-# The slowest modules (seconds in `make test`'s two workers on a clean clone, 2-core AMD EPYC; the compiled
+# The slowest modules (seconds in `make test`'s two workers on a clean clone, 2-core AMD EPYC Zen 3; the compiled
 # steps' module mostly waits on its builds) start first, so that the two workers end together
 # instead of one finishing a long module alone (`--no-loadscope-reorder` keeps this order: xdist
 # otherwise orders modules by their number of tests).
-SLOWEST_FIRST = ("test_compiled_decode",    # 262
-                 "test_browser",            # 205
-                 "test_benchmark_scripts",  # 133
-                 "test_triton_compile",     # 99 (Triton's cache is empty on a clean machine)
-                 "test_app",                # 84
-                 "test_core_client",        # 74
-                 "test_backends",           # 59
-                 "test_panel_browser",      # 52
-                 "test_space",              # 51
-                 "test_engine",             # 47
-                 "test_gguf_native",        # 45
-                 "test_gguf_benchmark_model",  # 36
-                 "test_client",             # 33
-                 "test_crash_durability",   # 30
-                 "test_triton_kernels")     # 28
+SLOWEST_FIRST = ("test_compiled_decode",    # 235
+                 "test_browser",            # 182
+                 "test_triton_compile",     # 107 (Triton's cache is empty on a clean machine)
+                 "test_benchmark_scripts",  # 85
+                 "test_app",                # 83
+                 "test_engine",             # 59
+                 "test_gguf_native",        # 39
+                 "test_core_client",        # 38
+                 "test_space",              # 37
+                 "test_panel_browser",      # 36
+                 "test_gguf_benchmark_model",  # 32
+                 "test_client",             # 26
+                 "test_triton_kernels",     # 26
+                 "test_crash_durability",   # 25
+                 "test_decode_graphs",      # 22
+                 "test_trust",              # 21 (mostly waiting: better beside another module than last)
+                 "test_openai_server",      # 21
+                 "test_panel_operator",     # 19
+                 "test_backends",           # 19
+                 "test_load_generator",     # 18
+                 "test_cli",                # 17
+                 "test_chat_controller",    # 16
+                 "test_engine_faults",      # 15
+                 "test_api_limits",         # 14
+                 "test_cluster_browser",    # 13
+                 "test_page_security")      # 13
 
 
 def pytest_collection_modifyitems(config, items) -> None:

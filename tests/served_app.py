@@ -17,6 +17,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+CLOSE_GRACE_S = 1  # what is left streaming when a test's server closes is the test's litter
+
+
 class Served:
     """A FastAPI app served by uvicorn on a free loopback port, on a thread of this process."""
 
@@ -27,6 +30,10 @@ class Served:
         self._on_close = list(on_close)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
+        # A stream still open at close (a gradio_client session's heartbeat never ends) is
+        # cancelled after CLOSE_GRACE_S: uvicorn waited on it until close() gave up on the
+        # thread, 7-15 s of an idle core per module, and the server thread lived on.
+        options = {"timeout_graceful_shutdown": CLOSE_GRACE_S, **options}
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                      **options))
         self._thread = threading.Thread(target=self._server.run, name=f"uvicorn-{self.port}", daemon=True)
