@@ -3,7 +3,7 @@
 One chat (a ~300-token system prompt and a question, the chat template applied), greedy, EOS
 ignored, on the embedded SmolLM2-135M-Instruct by default. Each part is timed by wrapping it:
 `LLMEngine.step`, the scheduler's `schedule` and `update`, the model's `forward`, every weight
-matmul (`Linear.__call__`), `kernels.paged_attention`, `kernels.store_kv`, RMSNorm, rotary, and
+matmul (`Linear.__call__`, `QuantizedLinear.__call__`), `kernels.paged_attention`, `kernels.store_kv`, RMSNorm, rotary, and
 sampling. Parts nest (the forward holds the matmuls), so they do not add up to the step.
 
     .venv/bin/python benchmarks/step_profile.py [--dtype float32|bfloat16] [--tokens 128] [--chats 1] [--ops 25]
@@ -46,17 +46,20 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--chats", type=int, default=1)
+    parser.add_argument("--quantization", default="auto", choices=("auto", "native", "dequantize"),
+                        help="for a GGUF file: its weights kept quantized (native) or not")
     parser.add_argument("--ops", type=int, default=0, help="print the top N aten ops of ten profiled steps")
     args = parser.parse_args()
 
     import kernels
     from engine import LLM, SamplingParams
     from engine.worker.models import llama
-    from engine.worker.models.layers import linear, rms_norm
+    from engine.worker.models.layers import linear, quantized_linear, rms_norm
     from ui.panel.load_generator import LOAD_SYSTEM_PROMPT, QUESTIONS
 
     # The eager forward is what is profiled: a lone chat's steps must not bypass it (compiled_decode.py).
-    llm = LLM(args.model, dtype=args.dtype, num_gpu_blocks=1024, num_cpu_blocks=16, compile_decode=False)
+    llm = LLM(args.model, dtype=args.dtype, num_gpu_blocks=1024, num_cpu_blocks=16, compile_decode=False,
+              quantization=args.quantization)
     engine = llm.engine
     totals: dict[str, float] = collections.defaultdict(float)
     engine.step = timed(totals, "step", engine.step)
@@ -69,6 +72,8 @@ def main() -> None:
     rms_norm.RMSNorm.__call__ = timed(totals, "RMSNorm", rms_norm.RMSNorm.__call__)
     llama.rotate = timed(totals, "rotary", llama.rotate)
     linear.Linear.__call__ = timed(totals, "weight matmuls", linear.Linear.__call__)
+    quantized_linear.QuantizedLinear.__call__ = timed(totals, "weight matmuls",
+                                                      quantized_linear.QuantizedLinear.__call__)
 
     chats = [[{"role": "system", "content": LOAD_SYSTEM_PROMPT[:1200]},
               {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(args.chats)]

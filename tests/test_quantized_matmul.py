@@ -74,7 +74,7 @@ def portable_library(tmp_path_factory):
         pytest.skip("the portable build is checked on x86-64")
     out = tmp_path_factory.mktemp("portable") / "qmatmul.so"
     flags = [flag for flag in native.FLAGS if flag != "-march=native"] + ["-march=x86-64"]
-    subprocess.run([native._compiler(), *flags, "-o", str(out), str(native.SOURCE), "-lm"], check=True)
+    subprocess.run([native._compiler(), *flags, "-o", str(out), *map(str, native.SOURCES), "-lm"], check=True)
     lib = ctypes.CDLL(str(out))
     for name, argtypes in native._SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None

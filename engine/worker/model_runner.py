@@ -140,11 +140,12 @@ class ModelRunner:
             slot_index=kernels.slot_index(slot_mapping, self.block_size, self.kv_cache),
             cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
             seqused_k=torch.tensor(k_lens, dtype=torch.int32).to(device, non_blocking=True),
-            block_table=block_table,
-            plan=kernels.plan_attention(q_lens=[b - a for a, b in zip(cu_q, cu_q[1:])], k_lens=k_lens,
-                                        num_heads=shape.num_heads, kv_heads=shape.num_kv_heads,
-                                        head_dim=shape.head_dim, cache=self.kv_cache, block_table=block_table,
-                                        block_size=self.block_size, previous=self._last_plan))
+            block_table=block_table)
+        if not self.model.runs_lone_natively(len(input_ids)):
+            meta.plan = kernels.plan_attention(
+                q_lens=[b - a for a, b in zip(cu_q, cu_q[1:])], k_lens=k_lens, num_heads=shape.num_heads,
+                kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, cache=self.kv_cache, block_table=block_table,
+                block_size=self.block_size, previous=self._last_plan)
         self._last_plan = meta.plan
         # Empty when every request is mid-prompt: the step only fills the cache.
         logits_indices = torch.tensor([cu_q[i + 1] - 1 for i in sample_rows], dtype=torch.int64, device=device)

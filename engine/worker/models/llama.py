@@ -23,6 +23,7 @@ from engine.worker.models.layers.rms_norm import RMSNorm
 from engine.worker.models.layers.rotary import RotaryTable, rotate
 from engine.worker.models.layers.shape import DecoderShape
 from engine.worker.models.weights import DecoderWeights, Weight
+from engine.worker.quantized.lone_decode import LoneDecode
 from engine.worker.quantized.matrix import QuantizedMatrix
 
 
@@ -75,6 +76,8 @@ class LlamaModel:
             [linear for layer in self.layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             + [self.lm_head])
         self.rotary = RotaryTable(checkpoint, dtype, device)
+        # A lone token's layers in one native call, where every layer matrix is kept quantized.
+        self.lone_decode = LoneDecode.of(self) if self.quantized else None
         self._kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     @property
@@ -94,6 +97,11 @@ class LlamaModel:
         shape = self.shape
         return (num_blocks, shape.num_layers, 2, shape.num_kv_heads, block_size, shape.head_dim)
 
+    def runs_lone_natively(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` tokens runs its layers in `lone_decode` (which reads the
+        paged cache itself: the step needs no attention plan)."""
+        return self.lone_decode is not None and num_tokens == 1
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -106,6 +114,10 @@ class LlamaModel:
             hidden = self.embed.rows(input_ids).to(self.dtype)
         else:
             hidden = F.embedding(input_ids, self.embed)
+        if self.runs_lone_natively(input_ids.shape[0]):
+            hidden = self.lone_decode(hidden, cos_sin[0], kv_cache, int(meta.slot_mapping[0]), meta.block_table[0],
+                                      int(meta.seqused_k[0]))
+            return self.lm_head(self.norm(hidden[logits_indices])).float()
         shape = self.shape
         q_size, kv_size, dim = shape.q_size, shape.kv_size, shape.head_dim
         for layer, (k_cache, v_cache) in zip(self.layers, self._layer_views(kv_cache)):

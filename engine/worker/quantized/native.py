@@ -1,4 +1,5 @@
-"""The quantized matmul's C loops (qmatmul.c), compiled once per machine and loaded with ctypes.
+"""The quantized matmul's C loops (qmatmul.c) and the lone-token decoder layers built on them
+(decode_layers.c), compiled once per machine into one library and loaded with ctypes.
 
 The library is built with the system's C compiler for this CPU's instructions (`-march=native`)
 into the compiled packages' folder (engine/worker/compiled_decode.packages_folder), named by a
@@ -25,7 +26,8 @@ from engine.worker.package_trust import digest_problem, folder_problem, install
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("qmatmul.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("qmatmul.c", "decode_layers.c"))
+HEADER = Path(__file__).with_name("qmatmul.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -39,7 +41,8 @@ class Part(ctypes.Structure):
                 ("gs", _I), ("sg", _I), ("nibbles", _I), ("blocks", _I), ("column", _I)]
 
 
-_SIGNATURES = {"qlinear": [_P, _I, _I, _I, _I, _P, _P, _P, ctypes.POINTER(Part), _I, _P, _I]}
+_SIGNATURES = {"qlinear": [_P, _I, _I, _I, _I, _P, _P, _P, ctypes.POINTER(Part), _I, _P, _I],
+               "decode_layers": [_P, _P, _I, _P]}
 
 
 def _compiler() -> str | None:
@@ -60,17 +63,18 @@ def library_path(compiler: str) -> Path:
     from engine.worker.compiled_decode import packages_folder
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    identity = "\n".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_flags()])
+    identity = "\n".join([*(path.read_text() for path in (*SOURCES, HEADER)), compiler, version, " ".join(FLAGS), _cpu_flags()])
     return packages_folder() / f"qmatmul-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
 
 
 def _build(compiler: str, out: Path) -> None:
     staging = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")
     try:
-        result = subprocess.run([compiler, *FLAGS, "-o", str(staging), str(SOURCE), "-lm"],
+        result = subprocess.run([compiler, *FLAGS, "-o", str(staging), *map(str, SOURCES), "-lm"],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{compiler} failed on {', '.join(p.name for p in SOURCES)}: "
+                               f"{result.stderr.strip()[-2000:]}")
         install(staging, out)
     finally:
         staging.unlink(missing_ok=True)

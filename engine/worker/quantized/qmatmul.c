@@ -26,8 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LANES 8
-#define CHUNK 32
+#include "qmatmul.h"
 
 typedef struct {
     const int8_t *xq; const float *dx; const float *xsum; int64_t chunks, rows;  /* chunks = in / 32 */
@@ -209,37 +208,37 @@ static void quantize_chunks(const float *x, int64_t rows, int64_t x_stride, int6
     }
 }
 
-/* One quantized matrix of a linear layer: its part of the output starts at column `column`. */
-typedef struct {
-    const uint8_t *q; const _Float16 *d; const _Float16 *dm; const int8_t *sc; const int8_t *mn;
-    int64_t gs, sg, nibbles, blocks, column;
-} Part;
-
-/* y [rows, ...] (row stride y_stride) = x [rows, in] @ [W1; W2; ...].T for the parts, in one call
-   and one parallel region: x quantized once (scratch xq, dx, xsum as quantize_chunks lays them
-   out), then each part's blocks shared by the threads. Parts run one after another: a part's
-   last block may write past its columns (its padding), which the next part then overwrites. */
-void qlinear(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
-             int8_t *xq, float *dx, float *xsum, const Part *parts, int64_t num_parts, float *y, int64_t y_stride) {
-    #pragma omp parallel
-    {
-        quantize_chunks(x, rows, x_stride, in, levels, xq, dx, xsum);  /* ends at a barrier */
-        for (int64_t i = 0; i < num_parts; i++) {
-            const Part *p = &parts[i];
-            const Args a = {xq, dx, xsum, in / CHUNK, rows, p->q, p->d, p->dm, p->sc, p->mn,
-                            __builtin_ctzll(p->sg), in / p->gs / p->sg, y + p->column, y_stride};
-            #pragma omp for schedule(static)
-            for (int64_t b = 0; b < p->blocks; b++) {
-                if (levels == 2) {
-                    if (p->nibbles) block(&a, b, rows, 32, 1, 2);
-                    else if (p->gs == 16) block(&a, b, rows, 16, 0, 2);
-                    else block(&a, b, rows, 32, 0, 2);
-                } else {
-                    if (p->nibbles) block(&a, b, rows, 32, 1, 1);
-                    else if (p->gs == 16) block(&a, b, rows, 16, 0, 1);
-                    else block(&a, b, rows, 32, 0, 1);
-                }
+/* y [rows, ...] (row stride y_stride) = x [rows, in] @ [W1; W2; ...].T for the parts, inside a
+   parallel region the caller opened: x quantized once (scratch xq, dx, xsum as quantize_chunks
+   lays them out), then each part's blocks shared by the threads. Parts run one after another: a
+   part's last block may write past its columns (its padding), which the next part then
+   overwrites. Ends at a barrier: y is whole when it returns. */
+void qlinear_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
+                       int8_t *xq, float *dx, float *xsum, const Part *parts, int64_t num_parts,
+                       float *y, int64_t y_stride) {
+    quantize_chunks(x, rows, x_stride, in, levels, xq, dx, xsum);  /* ends at a barrier */
+    for (int64_t i = 0; i < num_parts; i++) {
+        const Part *p = &parts[i];
+        const Args a = {xq, dx, xsum, in / CHUNK, rows, p->q, p->d, p->dm, p->sc, p->mn,
+                        __builtin_ctzll(p->sg), in / p->gs / p->sg, y + p->column, y_stride};
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < p->blocks; b++) {
+            if (levels == 2) {
+                if (p->nibbles) block(&a, b, rows, 32, 1, 2);
+                else if (p->gs == 16) block(&a, b, rows, 16, 0, 2);
+                else block(&a, b, rows, 32, 0, 2);
+            } else {
+                if (p->nibbles) block(&a, b, rows, 32, 1, 1);
+                else if (p->gs == 16) block(&a, b, rows, 16, 0, 1);
+                else block(&a, b, rows, 32, 0, 1);
             }
         }
     }
+}
+
+/* The same, in a parallel region of its own. */
+void qlinear(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
+             int8_t *xq, float *dx, float *xsum, const Part *parts, int64_t num_parts, float *y, int64_t y_stride) {
+    #pragma omp parallel
+    qlinear_in_region(x, rows, x_stride, in, levels, xq, dx, xsum, parts, num_parts, y, y_stride);
 }

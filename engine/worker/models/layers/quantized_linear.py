@@ -20,11 +20,11 @@ class QuantizedLinear:
         self.out_features = sum(part.out_features for part in self.parts)
         self.bias = bias
         # Taken once: a decode step makes ~100 of these calls.
-        self._part_array = parts(self.parts)
+        self.part_array = parts(self.parts)
         self._lib = native.library()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = matmul(x, self.parts, lib=self._lib, part_array=self._part_array)
+        y = matmul(x, self.parts, lib=self._lib, part_array=self.part_array)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)

@@ -1,0 +1,140 @@
+/* One token through every decoder layer of a Llama-family model whose weight matrices are kept
+   quantized (qmatmul.c), in float32, in one call and one parallel region: the step of a lone
+   chat, where eager torch spends as long between the weight matmuls as in them (~10 small ops a
+   layer at a few microseconds of dispatch each, and a Python call per matmul).
+
+   Per layer, as engine/worker/models/llama.py's forward computes it:
+     x  = rms_norm(h) * input_norm;  qkv = x @ Wqkv.T (+ bias)
+     q, k rotated (rotate-half, cos and signed sin of the token's position); k, v stored in the
+     paged cache at the token's slot; each query head attends over the sequence's keys
+     (grouped: head i reads kv head i / (heads / kv_heads)) through its block table
+     h += attn @ Wo.T;  x = rms_norm(h) * post_norm;  [g, u] = x @ Wgu.T;  h += (silu(g) * u) @ Wd.T
+   The sums run in another order than torch's, so results agree to float32 rounding, not bits.
+
+   Cache layout (LlamaModel.kv_cache_shape): a layer's K of block b, kv head j, offset o starts at
+   k_cache + b * block_stride + (j * block_size + o) * head_dim; V the same from v_cache. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "qmatmul.h"
+
+typedef struct {
+    const float *input_norm, *post_norm;          /* [hidden] */
+    const Part *qkv; int64_t qkv_parts; const float *qkv_bias;  /* bias [q + 2 kv] or NULL */
+    const Part *o; int64_t o_parts;
+    const Part *gate_up; int64_t gate_up_parts;   /* gate's ffn columns, then up's */
+    const Part *down; int64_t down_parts;
+    float *k_cache, *v_cache;                     /* this layer's K and V in block 0 */
+} Layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, ffn, levels;
+    float eps, scale;
+    int64_t block_size, block_stride;
+    const float *cos_sin;          /* [2, head_dim]: cos, then signed sin ([-sin, sin] by halves) */
+    int64_t slot;                  /* the token's cache slot: block * block_size + offset */
+    const int32_t *block_table;    /* the sequence's blocks */
+    int64_t context;               /* keys after this token's (its position + 1) */
+    /* scratch, each with LANES floats of room past its end for a part's padding */
+    int8_t *xq; float *dx; float *xsum;  /* levels * max(hidden, ffn); (levels + 1) * max / 32 */
+    float *x, *qkv, *attn, *delta, *gate_up, *scores;  /* scores: heads * context */
+} Step;
+
+/* Eight running sums, so that the compiler can keep them in one vector register (a single float
+   sum is a chain of dependent adds it may not reorder). */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float sums[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) sums[j] += a[i + j] * b[i + j];
+    float total = 0.0f;
+    for (; i < n; i++) total += a[i] * b[i];
+    for (int j = 0; j < 8; j++) total += sums[j];
+    return total;
+}
+
+static void rms_norm(const float *h, const float *weight, int64_t n, float eps, float *out) {
+    const float inverse = 1.0f / sqrtf(dot(h, h, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = h[i] * inverse * weight[i];
+}
+
+static void rotate(float *x, const float *cos_sin, int64_t dim) {
+    float swapped[dim];
+    const int64_t half = dim / 2;
+    memcpy(swapped, x + half, half * sizeof(float));
+    memcpy(swapped + half, x, half * sizeof(float));
+    for (int64_t i = 0; i < dim; i++) x[i] = x[i] * cos_sin[i] + swapped[i] * cos_sin[dim + i];
+}
+
+static inline const float *key_row(const float *cache, const Step *s, int64_t kv_head, int64_t t) {
+    const int64_t block = s->block_table[t / s->block_size], offset = t % s->block_size;
+    return cache + block * s->block_stride + (kv_head * s->block_size + offset) * s->head_dim;
+}
+
+static void attend_head(const Layer *l, const Step *s, int64_t head) {
+    const int64_t dim = s->head_dim, kv_head = head / (s->heads / s->kv_heads);
+    const float *q = s->qkv + head * dim;
+    float *scores = s->scores + head * s->context, *out = s->attn + head * dim, top = -INFINITY;
+    for (int64_t t = 0; t < s->context; t++) {
+        scores[t] = dot(q, key_row(l->k_cache, s, kv_head, t), dim) * s->scale;
+        top = fmaxf(top, scores[t]);
+    }
+    float total = 0.0f;
+    for (int64_t i = 0; i < dim; i++) out[i] = 0.0f;
+    for (int64_t t = 0; t < s->context; t++) {
+        const float weight = expf(scores[t] - top);
+        const float *v = key_row(l->v_cache, s, kv_head, t);
+        total += weight;
+        for (int64_t i = 0; i < dim; i++) out[i] += weight * v[i];
+    }
+    for (int64_t i = 0; i < dim; i++) out[i] /= total;
+}
+
+/* Inside the parallel region: every thread runs this, the matmuls and heads shared among them. */
+static void layer_in_region(float *h, const Layer *l, const Step *s) {
+    const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
+    #pragma omp single
+    rms_norm(h, l->input_norm, s->hidden, s->eps, s->x);  /* ends at a barrier, as every single */
+    qlinear_in_region(s->x, 1, s->hidden, s->hidden, s->levels, s->xq, s->dx, s->xsum, l->qkv, l->qkv_parts,
+                      s->qkv, 0);
+    #pragma omp single
+    {
+        if (l->qkv_bias)
+            for (int64_t i = 0; i < q_size + 2 * kv_size; i++) s->qkv[i] += l->qkv_bias[i];
+        for (int64_t head = 0; head < s->heads + s->kv_heads; head++)  /* q's heads, then k's */
+            rotate(s->qkv + head * s->head_dim, s->cos_sin, s->head_dim);
+        const int64_t block = s->slot / s->block_size, offset = s->slot % s->block_size;
+        for (int64_t j = 0; j < s->kv_heads; j++) {
+            const int64_t at = block * s->block_stride + (j * s->block_size + offset) * s->head_dim;
+            memcpy(l->k_cache + at, s->qkv + q_size + j * s->head_dim, s->head_dim * sizeof(float));
+            memcpy(l->v_cache + at, s->qkv + q_size + kv_size + j * s->head_dim, s->head_dim * sizeof(float));
+        }
+    }
+    #pragma omp for schedule(static)
+    for (int64_t head = 0; head < s->heads; head++) attend_head(l, s, head);
+    qlinear_in_region(s->attn, 1, q_size, q_size, s->levels, s->xq, s->dx, s->xsum, l->o, l->o_parts, s->delta, 0);
+    #pragma omp single
+    {
+        for (int64_t i = 0; i < s->hidden; i++) h[i] += s->delta[i];
+        rms_norm(h, l->post_norm, s->hidden, s->eps, s->x);
+    }
+    qlinear_in_region(s->x, 1, s->hidden, s->hidden, s->levels, s->xq, s->dx, s->xsum, l->gate_up,
+                      l->gate_up_parts, s->gate_up, 0);
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < s->ffn; i++) {
+        const float g = s->gate_up[i];
+        s->gate_up[i] = g / (1.0f + expf(-g)) * s->gate_up[s->ffn + i];
+    }
+    qlinear_in_region(s->gate_up, 1, s->ffn, s->ffn, s->levels, s->xq, s->dx, s->xsum, l->down, l->down_parts,
+                      s->delta, 0);
+    #pragma omp single
+    for (int64_t i = 0; i < s->hidden; i++) h[i] += s->delta[i];
+}
+
+/* h [hidden], the token's embedding, becomes its hidden state after the last layer (before the
+   final norm); every layer's K and V of the token are written into the cache. */
+void decode_layers(float *h, const Layer *layers, int64_t num_layers, const Step *s) {
+    #pragma omp parallel
+    for (int64_t i = 0; i < num_layers; i++) layer_in_region(h, &layers[i], s);
+}
