@@ -33,7 +33,7 @@ def test_the_library_builds_and_loads():
 def test_rows_are_the_reference_weights(qtype):
     matrix, data = matrix_of(qtype)
     expected = torch.from_numpy(reference(data, qtype))
-    assert matrix.nibbles == (qtype in (T.Q4_0, T.Q4_1, T.Q4_K))
+    assert matrix.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 6 if qtype in (T.Q5_K, T.Q6_K) else 8)
     ids = torch.tensor([[5, 0], [36, 8]])
     # Q4_0's reference rounds d x (q - 8), the groups d x q - 8d: one rounding apart.
     tolerance = dict(rtol=1e-6, atol=1e-6) if qtype == T.Q4_0 else dict(rtol=0, atol=0)

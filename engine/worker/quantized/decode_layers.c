@@ -36,8 +36,8 @@ typedef struct {
     int64_t slot;                  /* the token's cache slot: block * block_size + offset */
     const int32_t *block_table;    /* the sequence's blocks */
     int64_t context;               /* keys after this token's (its position + 1) */
-    /* scratch, each with LANES floats of room past its end for a part's padding */
-    int8_t *xq; float *dx; float *xsum;  /* levels * max(hidden, ffn); (levels + 1) * max / 32 */
+    Scratch scratch;               /* for the widest row: max(hidden, q heads' size, ffn) */
+    /* each with LANES floats of room past its end for a part's padding */
     float *x, *qkv, *attn, *delta, *gate_up, *scores;  /* scores: heads * context */
 } Step;
 
@@ -96,7 +96,7 @@ static void layer_in_region(float *h, const Layer *l, const Step *s) {
     const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
     #pragma omp single
     rms_norm(h, l->input_norm, s->hidden, s->eps, s->x);  /* ends at a barrier, as every single */
-    qlinear_in_region(s->x, 1, s->hidden, s->hidden, s->levels, s->xq, s->dx, s->xsum, l->qkv, l->qkv_parts,
+    qlinear_in_region(s->x, 1, s->hidden, s->hidden, s->levels, &s->scratch, l->qkv, l->qkv_parts,
                       s->qkv, 0);
     #pragma omp single
     {
@@ -113,20 +113,20 @@ static void layer_in_region(float *h, const Layer *l, const Step *s) {
     }
     #pragma omp for schedule(static)
     for (int64_t head = 0; head < s->heads; head++) attend_head(l, s, head);
-    qlinear_in_region(s->attn, 1, q_size, q_size, s->levels, s->xq, s->dx, s->xsum, l->o, l->o_parts, s->delta, 0);
+    qlinear_in_region(s->attn, 1, q_size, q_size, s->levels, &s->scratch, l->o, l->o_parts, s->delta, 0);
     #pragma omp single
     {
         for (int64_t i = 0; i < s->hidden; i++) h[i] += s->delta[i];
         rms_norm(h, l->post_norm, s->hidden, s->eps, s->x);
     }
-    qlinear_in_region(s->x, 1, s->hidden, s->hidden, s->levels, s->xq, s->dx, s->xsum, l->gate_up,
+    qlinear_in_region(s->x, 1, s->hidden, s->hidden, s->levels, &s->scratch, l->gate_up,
                       l->gate_up_parts, s->gate_up, 0);
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < s->ffn; i++) {
         const float g = s->gate_up[i];
         s->gate_up[i] = g / (1.0f + expf(-g)) * s->gate_up[s->ffn + i];
     }
-    qlinear_in_region(s->gate_up, 1, s->ffn, s->ffn, s->levels, s->xq, s->dx, s->xsum, l->down, l->down_parts,
+    qlinear_in_region(s->gate_up, 1, s->ffn, s->ffn, s->levels, &s->scratch, l->down, l->down_parts,
                       s->delta, 0);
     #pragma omp single
     for (int64_t i = 0; i < s->hidden; i++) h[i] += s->delta[i];

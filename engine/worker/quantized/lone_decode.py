@@ -17,7 +17,7 @@ import torch
 
 from engine.worker.models.layers.quantized_linear import QuantizedLinear
 from engine.worker.quantized import native
-from engine.worker.quantized.matrix import CHUNK, LANES
+from engine.worker.quantized.matrix import LANES, Scratch
 
 if TYPE_CHECKING:
     from engine.worker.models.llama import LlamaModel
@@ -36,7 +36,7 @@ class _Step(ctypes.Structure):
     """decode_layers.c's Step."""
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("ffn", _I), ("levels", _I),
                 ("eps", _F), ("scale", _F), ("block_size", _I), ("block_stride", _I), ("cos_sin", _P), ("slot", _I),
-                ("block_table", _P), ("context", _I), ("xq", _P), ("dx", _P), ("xsum", _P), ("x", _P), ("qkv", _P),
+                ("block_table", _P), ("context", _I), ("scratch", native.Scratch), ("x", _P), ("qkv", _P),
                 ("attn", _P), ("delta", _P), ("gate_up", _P), ("scores", _P)]
 
 
@@ -73,8 +73,7 @@ class LoneDecode:
                         for layer in model.layers]
         widest = max(shape.hidden_size, shape.q_size, self._ffn)
         room = LANES  # a part's last block writes up to LANES columns past its end
-        self._xq = torch.empty(self.LEVELS * widest, dtype=torch.int8)
-        self._dx = torch.empty((self.LEVELS + 1) * (widest // CHUNK) + 1)
+        self._scratch = Scratch(self.LEVELS, 1, widest)
         self._x = torch.empty(widest + room)
         self._qkv = torch.empty(shape.q_size + 2 * shape.kv_size + room)
         self._attn = torch.empty(shape.q_size + room)
@@ -84,8 +83,7 @@ class LoneDecode:
         self._layers: tuple[torch.Tensor, ctypes.Array] | None = None
         self._step = _Step(hidden=shape.hidden_size, heads=shape.num_heads, kv_heads=shape.num_kv_heads,
                            head_dim=shape.head_dim, ffn=self._ffn, levels=self.LEVELS, eps=shape.eps,
-                           scale=shape.scale, xq=self._xq.data_ptr(), dx=self._dx.data_ptr(),
-                           xsum=self._dx[self.LEVELS * (widest // CHUNK):].data_ptr(), x=self._x.data_ptr(),
+                           scale=shape.scale, scratch=self._scratch.struct, x=self._x.data_ptr(),
                            qkv=self._qkv.data_ptr(), attn=self._attn.data_ptr(), delta=self._delta.data_ptr(),
                            gate_up=self._gate_up.data_ptr())
 

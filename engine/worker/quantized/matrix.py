@@ -2,9 +2,10 @@
 
 `QuantizedMatrix.of(groups)` lays a tensor's groups (engine/worker/gguf_formats.unpack) out as
 the C loops in qmatmul.c read them (the layout is described there): quants in blocks of 8 output
-features, 4-bit formats (Q4_0, Q4_1, Q4_K) two to a byte, the others (Q8_0, Q5_K, Q6_K) one to
-an int8, and the formats' own scale factors beside them. Memory per weight, against the file's:
-Q4_0 5.0 bits (4.5), Q4_1 5.0 (5.0), Q4_K 4.6 (4.5), Q8_0 8.5 (8.5), Q6_K 8.6 (6.6), Q5_K 8.6 (5.5).
+features, 4-bit formats (Q4_0, Q4_1, Q4_K) two to a byte, 5- and 6-bit ones (Q5_K, Q6_K) in 6
+bits, Q8_0 one to an int8, and the formats' own scale factors beside them. Memory per weight,
+against the file's: Q4_0 5.0 bits (4.5), Q4_1 5.0 (5.0), Q4_K 4.6 (4.5), Q8_0 8.5 (8.5), Q6_K 6.6
+(6.6), Q5_K 6.6 (5.5).
 
 `matmul(x)` quantizes x's rows to int8 per 32 (as llama.cpp does), by default in two levels (the
 row, then what rounding left out), and sums each group in integers; the result differs from
@@ -50,7 +51,8 @@ class QuantizedMatrix:
     mn: torch.Tensor | None
     group_size: int
     groups_per_super: int
-    nibbles: bool
+    bits: int                      # 4, 6 or 8: how the quants are packed
+    shift: int = 0                 # 6-bit quants are kept as q + shift (0..63)
     type_name: str = ""
 
     @classmethod
@@ -68,16 +70,27 @@ class QuantizedMatrix:
         padded = -(-out // LANES) * LANES
         blocks, chunks = padded // LANES, columns // CHUNK
         q = torch.nn.functional.pad(groups.quants.reshape(out, columns), (0, 0, 0, padded - out))
-        nibbles = bool(q.dtype == torch.uint8 and (q.numel() == 0 or int(q.max()) < 16))
-        q = q.view(blocks, LANES, chunks, CHUNK)
-        if nibbles:
-            halves = q.view(blocks, LANES, chunks, 2, 4, 4)  # (.., low/high half, quad, i)
-            q = (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+        low, high = (int(q.min()), int(q.max())) if q.numel() else (0, 0)
+        signed = q.dtype == torch.int8
+        if not signed and high < 16:
+            bits, shift = 4, 0
+        elif -32 <= low and high < (32 if signed else 64):  # Q6_K's -32..31, Q5_K's 0..31
+            bits, shift = 6, 32 if signed else 0
         else:
+            bits, shift = 8, 0
+        if bits == 8:
             q = q.view(torch.int8).view(blocks, LANES, chunks, 8, 4).permute(0, 2, 3, 1, 4)
+        else:
+            u = (q.to(torch.int16) + shift).to(torch.uint8).view(blocks, LANES, chunks, CHUNK)
+            halves = (u & 15).view(blocks, LANES, chunks, 2, 4, 4)  # (.., low/high half, quad, i)
+            q = (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+            if bits == 6:  # the top 2 bits of quad t at bits 2t, 2t + 1, a 32-byte row per half
+                top = (u >> 4).view(blocks, LANES, chunks, 2, 4, 4)  # (.., half, quad, i)
+                packed = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
+                q = torch.cat((q, packed.permute(0, 2, 3, 1, 4)), dim=2)
         return cls(out, columns, q.contiguous(), _lanes(groups.d, padded), _lanes(groups.sc, padded),
                    _lanes(groups.dm, padded), _lanes(groups.mn, padded), group, groups.groups_per_super,
-                   nibbles, type_name)
+                   bits, shift, type_name)
 
     @property
     def nbytes(self) -> int:
@@ -92,8 +105,12 @@ class QuantizedMatrix:
         flat = ids.reshape(-1).long()
         block, lane = flat // LANES, flat % LANES
         q = self.quants[block, :, :, lane]  # (n, chunks, quads, 4)
-        if self.nibbles:
-            q = torch.stack((q & 15, q >> 4), dim=2)  # (n, chunks, half, quad, 4)
+        if self.bits != 8:
+            nibbles = q[:, :, :4]
+            q = torch.stack((nibbles & 15, nibbles >> 4), dim=2)  # (n, chunks, half, quad, 4)
+            if self.bits == 6:
+                top = torch.stack([(self.quants[block, :, 4:, lane] >> (2 * t)) & 3 for t in range(4)], dim=3)
+                q = (q | (top << 4)).to(torch.int16) - self.shift
         q = q.reshape(len(flat), -1, self.group_size).float()
         scale = self._per_group(self.d, self.sc, block, lane)
         weights = q * scale
@@ -118,8 +135,8 @@ def parts(matrices: list[QuantizedMatrix]) -> ctypes.Array:
     array, column = (native.Part * len(matrices))(), 0
     for part, m in zip(array, matrices):
         part.q, part.d, part.dm, part.sc, part.mn = (ptr(m.quants), ptr(m.d), ptr(m.dm), ptr(m.sc), ptr(m.mn))
-        part.gs, part.sg, part.nibbles, part.blocks, part.column = (
-            m.group_size, m.groups_per_super, int(m.nibbles), m.quants.shape[0], column)
+        part.gs, part.sg, part.bits, part.shift, part.blocks, part.column = (
+            m.group_size, m.groups_per_super, m.bits, m.shift, m.quants.shape[0], column)
         column += m.out_features
     return array
 
@@ -142,10 +159,21 @@ def matmul(x: torch.Tensor, matrices: list[QuantizedMatrix], levels: int = 2, li
     if lib is None:
         raise RuntimeError(f"no native quantized matmul: {native.problem()}")
     x = x.float().contiguous()
-    chunks = in_features // CHUNK
-    xq = torch.empty(levels, rows, in_features, dtype=torch.int8)
-    scratch = torch.empty(levels + 1, rows, chunks)  # dx per level, then the sums
+    scratch = Scratch(levels, rows, in_features)
     array = part_array if part_array is not None else parts(matrices)
-    lib.qlinear(x.data_ptr(), rows, in_features, in_features, levels, xq.data_ptr(), scratch.data_ptr(),
-                scratch[levels].data_ptr(), array, len(matrices), out.data_ptr(), out.stride(0))
+    lib.qlinear(x.data_ptr(), rows, in_features, in_features, levels, scratch.struct, array, len(matrices),
+                out.data_ptr(), out.stride(0))
     return out[:, :total]
+
+
+class Scratch:
+    """Room for `rows` rows of `in_features` activations quantized in `levels` levels, as the C
+    loops lay them out (qmatmul.h's Scratch); `struct` is what they take."""
+
+    def __init__(self, levels: int, rows: int, in_features: int) -> None:
+        chunks = in_features // CHUNK
+        self.xq = torch.empty(levels, rows, in_features, dtype=torch.int8)
+        self.floats = torch.empty(levels + 1, rows, chunks)  # dx per level, then the float sums
+        self.xqsum = torch.empty(levels, rows, chunks, 2, dtype=torch.int32)
+        self.struct = native.Scratch(self.xq.data_ptr(), self.floats.data_ptr(), self.floats[levels].data_ptr(),
+                                     self.xqsum.data_ptr())

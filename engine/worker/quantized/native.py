@@ -36,12 +36,17 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class Part(ctypes.Structure):
-    """qmatmul.c's Part: one quantized matrix of a linear layer and its first output column."""
+    """qmatmul.h's Part: one quantized matrix of a linear layer and its first output column."""
     _fields_ = [("q", _P), ("d", _P), ("dm", _P), ("sc", _P), ("mn", _P),
-                ("gs", _I), ("sg", _I), ("nibbles", _I), ("blocks", _I), ("column", _I)]
+                ("gs", _I), ("sg", _I), ("bits", _I), ("shift", _I), ("blocks", _I), ("column", _I)]
 
 
-_SIGNATURES = {"qlinear": [_P, _I, _I, _I, _I, _P, _P, _P, ctypes.POINTER(Part), _I, _P, _I],
+class Scratch(ctypes.Structure):
+    """qmatmul.h's Scratch: where the loops quantize a row's activations."""
+    _fields_ = [("xq", _P), ("dx", _P), ("xsum", _P), ("xqsum", _P)]
+
+
+_SIGNATURES = {"qlinear": [_P, _I, _I, _I, _I, ctypes.POINTER(Scratch), ctypes.POINTER(Part), _I, _P, _I],
                "decode_layers": [_P, _P, _I, _P]}
 
 

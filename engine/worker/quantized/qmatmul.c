@@ -12,14 +12,19 @@
    The quants are kept in blocks of LANES output features, 32 k at a time, so that one 32-byte
    load holds 4 consecutive k of each of the LANES features: the shape a byte multiply-add
    (vpmaddubsw, 4 products summed per 32-bit lane) wants, with no sum across lanes at the end.
-     int8:   [blocks, in/32, 8 quads, LANES, 4]                       k = 32c + 4t + i
+     8-bit:  [blocks, in/32, 8 quads, LANES, 4]                       k = 32c + 4t + i
      4-bit:  [blocks, in/32, 4 quads, LANES, 4] bytes, low nibble k = 32c + 4t + i,
                                                  high nibble k = 32c + 16 + 4t + i
+     6-bit:  [blocks, in/32, 6 quads, LANES, 4] bytes: quads 0-3 the low 4 bits as 4-bit's, quads
+             4 and 5 the top 2 bits of k = 32c + 16h + 4t + i (h = 0, 1) in bits 2t, 2t + 1
+   A 6-bit quant is stored as u = q + shift (0..63: Q6_K's signed -32..31 with shift 32, Q5_K's
+   0..31 with shift 0), and the loops subtract shift * (the sum of xq over the group) from u . xq.
 
    Activations. Row r's 32 values of chunk c become xq = round(x / dx), dx = max|x| / 127 (as
    llama.cpp's q8 rows), and with two levels also what that left out, rounded the same way; xsum
    = the float sum of the 32 values for the offsets: x . (q*s + o) ~= s * sum over levels of
-   dx * (xq . q) + o * xsum.
+   dx * (xq . q) + o * xsum; xqsum the integer sums of each level's xq over each 16 values (for
+   the 6-bit shift).
 
    Rows are taken MT at a time so a block's weights, loaded once, serve several rows from L1. */
 #include <math.h>
@@ -29,8 +34,9 @@
 #include "qmatmul.h"
 
 typedef struct {
-    const int8_t *xq; const float *dx; const float *xsum; int64_t chunks, rows;  /* chunks = in / 32 */
-    const uint8_t *q; const _Float16 *d; const _Float16 *dm; const int8_t *sc; const int8_t *mn;
+    const int8_t *xq; const float *dx; const float *xsum; const int32_t *xqsum;
+    int64_t chunks, rows;  /* chunks = in / 32 */
+    int32_t shift; const uint8_t *q; const _Float16 *d; const _Float16 *dm; const int8_t *sc; const int8_t *mn;
     int sg_shift; int64_t supers; float *y; int64_t y_stride;  /* sg = 1 << sg_shift; supers per row */
 } Args;
 
@@ -64,10 +70,22 @@ static inline __m256 load_factor(const Args *a, const _Float16 *per_super, const
 
 static inline __m256i broadcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
-/* Lane block b's outputs for rows r0 .. r0+MT-1; MT, GS, NIBBLES, LEVELS are constants at each
+/* The top 2 bits of quad t's 6-bit quants, from where the layout keeps them (bits 2t, 2t + 1 of
+   each byte) to bits 4 and 5 (16-bit shifts move bits across bytes: the mask drops those). */
+static inline __m256i top_bits(__m256i packed, int t) {
+    const __m256i mask = _mm256_set1_epi8(0x30);
+    switch (t) {
+        case 0: return _mm256_and_si256(_mm256_slli_epi16(packed, 4), mask);
+        case 1: return _mm256_and_si256(_mm256_slli_epi16(packed, 2), mask);
+        case 2: return _mm256_and_si256(packed, mask);
+        default: return _mm256_and_si256(_mm256_srli_epi16(packed, 2), mask);
+    }
+}
+
+/* Lane block b's outputs for rows r0 .. r0+MT-1; MT, GS, BITS, LEVELS are constants at each
    call. Level 1 is the rounded row, level 2 (when LEVELS is 2) what rounding left out. */
 static inline __attribute__((always_inline)) void block_rows(const Args *a, int64_t b, int64_t r0, const int MT,
-                                                             const int GS, const int NIBBLES, const int LEVELS) {
+                                                             const int GS, const int BITS, const int LEVELS) {
     const int64_t groups = a->chunks * CHUNK / GS, level_stride = a->rows * a->chunks;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
     __m256 acc[4];
@@ -79,7 +97,35 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
         __m256i dot[2][4][2];  /* [level][row][half of the chunk] (halves for 16-wide groups) */
         for (int v = 0; v < LEVELS; v++)
             for (int r = 0; r < MT; r++) dot[v][r][0] = dot[v][r][1] = _mm256_setzero_si256();
-        if (NIBBLES) {
+        if (BITS == 6) {
+            /* u . xq for the chunk's two halves apart (a 16-wide group each, for Q6_K), widened
+               to 32 bits at each quad (2 products x 63 x 127 fit 16 bits; four quads would not). */
+            const uint8_t *p = a->q + (b * a->chunks + c) * (CHUNK * 6 / 8) * LANES;
+            const __m256i top_low = _mm256_loadu_si256((const __m256i *)(p + 128));
+            const __m256i top_high = _mm256_loadu_si256((const __m256i *)(p + 160));
+            for (int t = 0; t < 4; t++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(p + t * 32));
+                const __m256i lo = _mm256_or_si256(_mm256_and_si256(w, low4), top_bits(top_low, t));
+                const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low4),
+                                                   top_bits(top_high, t));
+                for (int v = 0; v < LEVELS; v++)
+                    for (int r = 0; r < MT; r++) {
+                        dot[v][r][0] = _mm256_add_epi32(dot[v][r][0], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(lo, broadcast4(xq[v][r] + 4 * t)), ones));
+                        dot[v][r][1] = _mm256_add_epi32(dot[v][r][1], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(hi, broadcast4(xq[v][r] + 16 + 4 * t)), ones));
+                    }
+            }
+            for (int v = 0; v < LEVELS; v++)
+                for (int r = 0; r < MT; r++) {
+                    if (a->shift) {
+                        const int32_t *sums = a->xqsum + ((v * level_stride) + (r0 + r) * a->chunks + c) * 2;
+                        dot[v][r][0] = _mm256_sub_epi32(dot[v][r][0], _mm256_set1_epi32(a->shift * sums[0]));
+                        dot[v][r][1] = _mm256_sub_epi32(dot[v][r][1], _mm256_set1_epi32(a->shift * sums[1]));
+                    }
+                    if (GS == 32) dot[v][r][0] = _mm256_add_epi32(dot[v][r][0], dot[v][r][1]);
+                }
+        } else if (BITS == 4) {
             /* 16-bit sums hold a whole chunk: 4 quads x 2 nibbles x 2 products x 15 x 127 < 2^15. */
             __m256i pairs[2][4];
             for (int v = 0; v < LEVELS; v++)
@@ -132,7 +178,7 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
 #else  /* the same sums, one lane at a time */
 
 static inline __attribute__((always_inline)) void block_rows(const Args *a, int64_t b, int64_t r0, const int MT,
-                                                             const int GS, const int NIBBLES, const int LEVELS) {
+                                                             const int GS, const int BITS, const int LEVELS) {
     const int64_t groups = a->chunks * CHUNK / GS, level_stride = a->rows * a->chunks;
     for (int r = 0; r < MT; r++) {
         float acc[LANES] = {0};
@@ -147,9 +193,14 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                         int32_t dot = 0;
                         for (int k = h * GS; k < (h + 1) * GS; k++) {
                             int q;
-                            if (NIBBLES) {
-                                const uint8_t byte = a->q[((b * a->chunks + c) * 4 + k % 16 / 4) * 32 + l * 4 + k % 4];
+                            if (BITS == 4 || BITS == 6) {
+                                const int64_t at = (b * a->chunks + c) * BITS * 32;  /* BITS quads of 32 bytes */
+                                const uint8_t byte = a->q[at + (k % 16 / 4) * 32 + l * 4 + k % 4];
                                 q = k < 16 ? byte & 15 : byte >> 4;
+                                if (BITS == 6) {
+                                    const uint8_t top = a->q[at + (4 + k / 16) * 32 + l * 4 + k % 4];
+                                    q = (q | ((top >> (2 * (k % 16 / 4))) & 3) << 4) - a->shift;
+                                }
                             } else {
                                 q = ((const int8_t *)a->q)[((b * a->chunks + c) * 8 + k / 4) * 32 + l * 4 + k % 4];
                             }
@@ -168,23 +219,36 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
 
 /* Rows in tiles of 4 (2 with two levels, which hold twice the sums in registers). */
 static inline __attribute__((always_inline)) void block(const Args *a, int64_t b, int64_t rows,
-                                                        const int GS, const int NIBBLES, const int LEVELS) {
+                                                        const int GS, const int BITS, const int LEVELS) {
     int64_t r = 0;
     if (LEVELS == 1) {
-        for (; r + 4 <= rows; r += 4) block_rows(a, b, r, 4, GS, NIBBLES, 1);
-        if (rows - r == 3) { block_rows(a, b, r, 3, GS, NIBBLES, 1); r += 3; }
+        for (; r + 4 <= rows; r += 4) block_rows(a, b, r, 4, GS, BITS, 1);
+        if (rows - r == 3) { block_rows(a, b, r, 3, GS, BITS, 1); r += 3; }
     }
-    for (; r + 2 <= rows; r += 2) block_rows(a, b, r, 2, GS, NIBBLES, LEVELS);
-    if (r < rows) block_rows(a, b, r, 1, GS, NIBBLES, LEVELS);
+    for (; r + 2 <= rows; r += 2) block_rows(a, b, r, 2, GS, BITS, LEVELS);
+    if (r < rows) block_rows(a, b, r, 1, GS, BITS, LEVELS);
+}
+
+/* A part's blocks, each format's loop chosen once per call. */
+static inline void format_block(const Args *a, const Part *p, int64_t b, int64_t rows, int64_t levels) {
+    #define BY_FORMAT(LEVELS) \
+        if (p->bits == 4) block(a, b, rows, 32, 4, LEVELS); \
+        else if (p->bits == 6 && p->gs == 16) block(a, b, rows, 16, 6, LEVELS); \
+        else if (p->bits == 6) block(a, b, rows, 32, 6, LEVELS); \
+        else if (p->gs == 16) block(a, b, rows, 16, 8, LEVELS); \
+        else block(a, b, rows, 32, 8, LEVELS);
+    if (levels == 2) { BY_FORMAT(2) } else { BY_FORMAT(1) }
+    #undef BY_FORMAT
 }
 
 /* Row r of x [rows, in] (row stride x_stride) as int8 per 32 values, in `levels` levels: level 1
    is round(x / dx) with dx = max|x| / 127 (llama.cpp's q8 rows), level 2 the same of what level 1
    left out (x less its rounding: within dx / 2), so two levels carry x to ~1/32000 of the chunk's
    largest value. xq [levels, rows, in], dx [levels, rows, in/32]; xsum [rows, in/32] the float
-   sums (for the offsets). Called inside a parallel region: the threads share the chunks. */
+   sums (for the offsets), xqsum [levels, rows, in/16] the integer sums of xq by 16 (for the 6-bit
+   shift). Called inside a parallel region: the threads share the chunks. */
 static void quantize_chunks(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
-                            int8_t *xq, float *dx, float *xsum) {
+                            int8_t *xq, float *dx, float *xsum, int32_t *xqsum) {
     const int64_t chunks = in / CHUNK;
     #pragma omp for collapse(2) schedule(static)
     for (int64_t r = 0; r < rows; r++)
@@ -199,11 +263,14 @@ static void quantize_chunks(const float *x, int64_t rows, int64_t x_stride, int6
             for (int i = 0; i < CHUNK; i++) amax = fmaxf(amax, fabsf(v[i]));
             const float step = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
             int8_t *out = xq + (level * rows * chunks + rc) * CHUNK;
+            int32_t sums[2] = {0, 0};
             for (int i = 0; i < CHUNK; i++) {
                 out[i] = (int8_t)lrintf(v[i] * inverse);
                 v[i] -= (float)out[i] * step;
+                sums[i / 16] += out[i];
             }
             dx[level * rows * chunks + rc] = step;
+            memcpy(xqsum + (level * rows * chunks + rc) * 2, sums, sizeof(sums));
         }
     }
 }
@@ -214,31 +281,22 @@ static void quantize_chunks(const float *x, int64_t rows, int64_t x_stride, int6
    part's last block may write past its columns (its padding), which the next part then
    overwrites. Ends at a barrier: y is whole when it returns. */
 void qlinear_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
-                       int8_t *xq, float *dx, float *xsum, const Part *parts, int64_t num_parts,
-                       float *y, int64_t y_stride) {
-    quantize_chunks(x, rows, x_stride, in, levels, xq, dx, xsum);  /* ends at a barrier */
+                       const Scratch *scratch, const Part *parts, int64_t num_parts, float *y, int64_t y_stride) {
+    quantize_chunks(x, rows, x_stride, in, levels, scratch->xq, scratch->dx, scratch->xsum, scratch->xqsum);
+    /* (a barrier ended that) */
     for (int64_t i = 0; i < num_parts; i++) {
         const Part *p = &parts[i];
-        const Args a = {xq, dx, xsum, in / CHUNK, rows, p->q, p->d, p->dm, p->sc, p->mn,
-                        __builtin_ctzll(p->sg), in / p->gs / p->sg, y + p->column, y_stride};
+        const Args a = {scratch->xq, scratch->dx, scratch->xsum, scratch->xqsum, in / CHUNK, rows, (int32_t)p->shift,
+                        p->q, p->d, p->dm, p->sc, p->mn, __builtin_ctzll(p->sg), in / p->gs / p->sg,
+                        y + p->column, y_stride};
         #pragma omp for schedule(static)
-        for (int64_t b = 0; b < p->blocks; b++) {
-            if (levels == 2) {
-                if (p->nibbles) block(&a, b, rows, 32, 1, 2);
-                else if (p->gs == 16) block(&a, b, rows, 16, 0, 2);
-                else block(&a, b, rows, 32, 0, 2);
-            } else {
-                if (p->nibbles) block(&a, b, rows, 32, 1, 1);
-                else if (p->gs == 16) block(&a, b, rows, 16, 0, 1);
-                else block(&a, b, rows, 32, 0, 1);
-            }
-        }
+        for (int64_t b = 0; b < p->blocks; b++) format_block(&a, p, b, rows, levels);
     }
 }
 
 /* The same, in a parallel region of its own. */
 void qlinear(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
-             int8_t *xq, float *dx, float *xsum, const Part *parts, int64_t num_parts, float *y, int64_t y_stride) {
+             const Scratch *scratch, const Part *parts, int64_t num_parts, float *y, int64_t y_stride) {
     #pragma omp parallel
-    qlinear_in_region(x, rows, x_stride, in, levels, xq, dx, xsum, parts, num_parts, y, y_stride);
+    qlinear_in_region(x, rows, x_stride, in, levels, scratch, parts, num_parts, y, y_stride);
 }

@@ -1,16 +1,22 @@
 /* What qmatmul.c offers the other native loops (decode_layers.c). */
 #include <stdint.h>
 
-/* One quantized matrix of a linear layer (laid out as qmatmul.c describes): its part of the
-   output starts at column `column`. */
+/* One quantized matrix of a linear layer (laid out as qmatmul.c describes): its quants' width
+   (4, 6 or 8 bits) and 6-bit shift, and where its part of the output starts, `column`. */
 typedef struct {
     const uint8_t *q; const _Float16 *d; const _Float16 *dm; const int8_t *sc; const int8_t *mn;
-    int64_t gs, sg, nibbles, blocks, column;
+    int64_t gs, sg, bits, shift, blocks, column;
 } Part;
+
+/* Room for a row's activations as the loops quantize them, for rows x `in` values in `levels`
+   levels: xq [levels, rows, in] int8, dx [levels, rows, in / 32], xsum [rows, in / 32],
+   xqsum [levels, rows, in / 16] int32. */
+typedef struct {
+    int8_t *xq; float *dx; float *xsum; int32_t *xqsum;
+} Scratch;
 
 #define LANES 8   /* output features a block of quants holds; a part may write this far past its columns */
 #define CHUNK 32  /* activations are quantized per this many values */
 
 void qlinear_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
-                       int8_t *xq, float *dx, float *xsum, const Part *parts, int64_t num_parts,
-                       float *y, int64_t y_stride);
+                       const Scratch *scratch, const Part *parts, int64_t num_parts, float *y, int64_t y_stride);
