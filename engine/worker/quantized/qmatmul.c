@@ -68,6 +68,10 @@ static inline __m256 load_factor(const Args *a, const _Float16 *per_super, const
     return factor;
 }
 
+#ifndef PREFETCH
+#define PREFETCH 2048
+#endif
+
 static inline __m256i broadcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
 /* The top 2 bits of quad t's 6-bit quants, from where the layout keeps them (bits 2t, 2t + 1 of
@@ -90,7 +94,13 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
     __m256 acc[4];
     for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
+    const int64_t chunk_bytes = BITS * CHUNK * LANES / 8;
     for (int64_t c = 0; c < a->chunks; c++) {
+        {   /* ask for the quants PREFETCH bytes ahead: one row reads them faster than the hardware's
+               prefetcher fetches them on its own */
+            const char *ahead = (const char *)a->q + (b * a->chunks + c) * chunk_bytes + PREFETCH;
+            for (int64_t line = 0; line < chunk_bytes; line += 64) __builtin_prefetch(ahead + line, 0, 0);
+        }
         const int8_t *xq[2][4];
         for (int v = 0; v < LEVELS; v++)
             for (int r = 0; r < MT; r++) xq[v][r] = a->xq + ((v * level_stride) + (r0 + r) * a->chunks + c) * CHUNK;
