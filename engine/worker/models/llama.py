@@ -5,7 +5,9 @@ their positions; attention writes each token's K/V into the paged cache and read
 request's context back through its block table (kernels.paged_attention). Logits are computed
 only for the rows that sample. The layers' maths is models/layers/'s, shared with the compiled
 decode steps; weights come from the model's checkpoint (models/weights.py), q/k/v and gate/up
-projections fused into one matmul each.
+projections fused into one matmul each. A step of one token on a model whose layer matrices are
+all kept quantized (a GGUF file served natively, float32 on a CPU) runs its layers in one native
+call instead (engine/worker/quantized/lone_decode.py), the same arithmetic in C.
 """
 from __future__ import annotations
 
