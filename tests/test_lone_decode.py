@@ -107,10 +107,10 @@ def test_models_it_cannot_serve_keep_the_eager_forward(all_quantized_gguf, tiny_
     assert in_bf16.lone_decode is None
 
 
-def test_the_engine_decodes_a_lone_chat_natively_and_greedy_replies_match_the_eager_forward(embedded_gguf_path):
+def test_the_engine_decodes_a_lone_chat_natively_and_greedy_replies_match_the_eager_forward(embedded_gguf):
     """The embedded SmolLM2 Q4_1 through the engine: the lone chat's steps take the native path,
     and its greedy replies are the eager forward's, token for token."""
-    llm = LLM(embedded_gguf_path, quantization="native", num_gpu_blocks=128, num_cpu_blocks=8, compile_decode=False)
+    llm = LLM(embedded_gguf, quantization="native", num_gpu_blocks=128, num_cpu_blocks=8, compile_decode=False)
     runner = llm.engine.core.runner
     model = runner.model
     assert isinstance(model.lone_decode, LoneDecode)
@@ -124,12 +124,3 @@ def test_the_engine_decodes_a_lone_chat_natively_and_greedy_replies_match_the_ea
     finally:
         model.lone_decode = lone
     assert ours == eager and all(len(t) == 24 for t in ours)
-
-
-@pytest.fixture(scope="module")
-def embedded_gguf_path() -> str:
-    from engine.worker import model_loader
-    try:
-        return model_loader.embedded_gguf_path()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
