@@ -17,7 +17,7 @@ import torch
 
 from engine.worker.models.layers.quantized_linear import QuantizedLinear
 from engine.worker.quantized import native
-from engine.worker.quantized.matrix import LANES, Scratch
+from engine.worker.quantized.matrix import LANES, LEVELS, Scratch
 
 if TYPE_CHECKING:
     from engine.worker.models.llama import LlamaModel
@@ -40,14 +40,8 @@ class _Step(ctypes.Structure):
                 ("attn", _P), ("delta", _P), ("gate_up", _P), ("scores", _P)]
 
 
-def _address(array: ctypes.Array) -> int:
-    return ctypes.addressof(array)
-
-
 class LoneDecode:
     """`model`'s layers for one token at a time, natively; see the module's docstring."""
-
-    LEVELS = 2  # the activations' int8 levels, as QuantizedLinear's matmuls take them
 
     @classmethod
     def of(cls, model: LlamaModel) -> LoneDecode | None:
@@ -73,7 +67,7 @@ class LoneDecode:
                         for layer in model.layers]
         widest = max(shape.hidden_size, shape.q_size, self._ffn)
         room = LANES  # a part's last block writes up to LANES columns past its end
-        self._scratch = Scratch(self.LEVELS, 1, widest)
+        self._scratch = Scratch(LEVELS, 1, widest)
         self._x = torch.empty(widest + room)
         self._qkv = torch.empty(shape.q_size + 2 * shape.kv_size + room)
         self._attn = torch.empty(shape.q_size + room)
@@ -82,7 +76,7 @@ class LoneDecode:
         self._scores = torch.empty(0)
         self._layers: tuple[torch.Tensor, ctypes.Array] | None = None
         self._step = _Step(hidden=shape.hidden_size, heads=shape.num_heads, kv_heads=shape.num_kv_heads,
-                           head_dim=shape.head_dim, ffn=self._ffn, levels=self.LEVELS, eps=shape.eps,
+                           head_dim=shape.head_dim, ffn=self._ffn, levels=LEVELS, eps=shape.eps,
                            scale=shape.scale, scratch=self._scratch.struct, x=self._x.data_ptr(),
                            qkv=self._qkv.data_ptr(), attn=self._attn.data_ptr(), delta=self._delta.data_ptr(),
                            gate_up=self._gate_up.data_ptr())
@@ -101,7 +95,7 @@ class LoneDecode:
                 entry.qkv_bias = None if bias is None else bias.data_ptr()
                 for name, linear in (("qkv", layer.qkv), ("o", layer.o_proj), ("gate_up", layer.gate_up),
                                      ("down", layer.down)):
-                    setattr(entry, name, _address(linear.part_array))
+                    setattr(entry, name, ctypes.addressof(linear.part_array))
                     setattr(entry, f"{name}_parts", len(linear.parts))
                 entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             self._step.block_size = kv_cache.shape[-2]
@@ -125,5 +119,5 @@ class LoneDecode:
         step.cos_sin, step.slot, step.block_table, step.context = (cos_sin.data_ptr(), slot, block_table.data_ptr(),
                                                                    context)
         step.scores = self._scores.data_ptr()
-        self._lib.decode_layers(hidden.data_ptr(), _address(layers), len(self.model.layers), ctypes.byref(step))
+        self._lib.decode_layers(hidden.data_ptr(), ctypes.addressof(layers), len(self.model.layers), ctypes.byref(step))
         return hidden

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the engine imports this module; the gguf package is needed 
 
 LANES = 8
 CHUNK = 32
+LEVELS = 2  # the activations' int8 levels by default (and in the native lone step): see the docstring
 
 
 def _lanes(t: torch.Tensor | None, padded: int) -> torch.Tensor | None:
@@ -141,7 +142,7 @@ def parts(matrices: list[QuantizedMatrix]) -> ctypes.Array:
     return array
 
 
-def matmul(x: torch.Tensor, matrices: list[QuantizedMatrix], levels: int = 2, lib=None,
+def matmul(x: torch.Tensor, matrices: list[QuantizedMatrix], levels: int = LEVELS, lib=None,
            part_array: ctypes.Array | None = None) -> torch.Tensor:
     """x (rows, in) @ [W1; W2; ...].T as one float32 (rows, sum of out_features): the matrices'
     outputs side by side (a fused q/k/v projection whose parts are in different formats), in
