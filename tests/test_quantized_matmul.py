@@ -45,7 +45,8 @@ def activation_rounding_bound(x: torch.Tensor, matrix: QuantizedMatrix, levels: 
     """Per output, the most that rounding x to int8 per 32 values can move x @ W.T. Level 1 is
     within half a step (the chunk's max |x| / 127), level 2 rounds what is left (at most half a
     step) in steps 254 times finer. The offsets multiply the exact sums of x, so only the scaled
-    quants q * scale see the rounding; plus float32 summation's share."""
+    quants q * scale see the rounding; plus float32 summation's share. (A batch of BATCH_ROWS rows
+    or more goes in as int16 with two levels, in steps 258 times finer than level 1's: within.)"""
     step = x.abs().view(x.shape[0], -1, CHUNK).amax(-1) / 127 / (1 if levels == 1 else 254)
     half_step = step.repeat_interleave(CHUNK, dim=1) / 2
     scaled = dataclasses.replace(matrix, dm=None, mn=None).dequantize().double().abs()
@@ -54,7 +55,7 @@ def activation_rounding_bound(x: torch.Tensor, matrix: QuantizedMatrix, levels: 
 
 
 @pytest.mark.parametrize("levels", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 32])  # 17 and 32: the batch loops
 @pytest.mark.parametrize("qtype", gguf_formats.QUANTIZED_TYPES, ids=lambda t: t.name)
 def test_matmul_equals_dequantize_then_matmul(qtype, rows, levels):
     matrix, _ = matrix_of(qtype)
@@ -92,11 +93,12 @@ def test_the_portable_spelling_computes_the_same(qtype, levels, portable_library
                                rtol=1e-4, atol=1e-5 * float(fast.abs().max()))
 
 
-def test_parts_in_different_formats_side_by_side():
+@pytest.mark.parametrize("rows", [3, 20])
+def test_parts_in_different_formats_side_by_side(rows):
     """A fused projection whose parts are in different formats (Q4_K_M's q/k in Q4_K, v in Q6_K)."""
     first, _ = matrix_of(T.Q4_K, rows=16, seed=1)
     second, _ = matrix_of(T.Q6_K, rows=OUT, seed=2)
-    x = torch.randn(3, first.in_features)
+    x = torch.randn(rows, first.in_features)
     fused = matmul(x, [first, second])
     torch.testing.assert_close(fused, torch.cat([matmul(x, [first]), matmul(x, [second])], dim=1), rtol=0, atol=0)
 

@@ -26,7 +26,7 @@ from engine.worker.package_trust import digest_problem, folder_problem, install
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("qmatmul.c", "decode_layers.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("qmatmul.c", "qmatmul_batch.c", "decode_layers.c"))
 HEADER = Path(__file__).with_name("qmatmul.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _lock = threading.Lock()

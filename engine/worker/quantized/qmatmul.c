@@ -26,7 +26,8 @@
    dx * (xq . q) + o * xsum; xqsum the integer sums of each level's xq over each 16 values (for
    the 6-bit shift).
 
-   Rows are taken MT at a time so a block's weights, loaded once, serve several rows from L1. */
+   Rows are taken MT at a time so a block's weights, loaded once, serve several rows from L1.
+   A batch of BATCH_ROWS rows or more in two levels goes to qmatmul_batch.c's loops instead. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -292,6 +293,8 @@ static void quantize_chunks(const float *x, int64_t rows, int64_t x_stride, int6
    overwrites. Ends at a barrier: y is whole when it returns. */
 void qlinear_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
                        const Scratch *scratch, const Part *parts, int64_t num_parts, float *y, int64_t y_stride) {
+    if (levels == 2 && rows >= BATCH_ROWS && qlinear_batch_in_region(x, rows, x_stride, in, scratch, parts, num_parts, y, y_stride))
+        return;
     quantize_chunks(x, rows, x_stride, in, levels, scratch->xq, scratch->dx, scratch->xsum, scratch->xqsum);
     /* (a barrier ended that) */
     for (int64_t i = 0; i < num_parts; i++) {

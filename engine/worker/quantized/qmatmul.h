@@ -20,3 +20,12 @@ typedef struct {
 
 void qlinear_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
                        const Scratch *scratch, const Part *parts, int64_t num_parts, float *y, int64_t y_stride);
+
+#ifndef BATCH_ROWS
+#define BATCH_ROWS 16 /* from this many rows (with two levels) qmatmul_batch.c's loops take a product */
+#endif
+
+/* qmatmul_batch.c: the same product for a batch of rows, x carried in int16 (two levels' precision);
+   returns 0, doing nothing, where it has no loops for this CPU. */
+int qlinear_batch_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, const Scratch *scratch,
+                            const Part *parts, int64_t num_parts, float *y, int64_t y_stride);

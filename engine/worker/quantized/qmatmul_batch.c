@@ -1,0 +1,221 @@
+/* y = x @ W.T for a batch of rows (qmatmul.c's loops serve a few rows; these, many), on AVX2.
+
+   Why another loop: at 32 rows the int8 loops ran at ~1.9 cycles per byte multiply-add against
+   ~0.66 that a Zen 3 core can issue, with the two levels' sums spilled out of registers, and the
+   6- and 8-bit formats widened to 32 bits at every step. Here each row goes in as one int16
+   level per 32 values (dx = max|x| / 32767: the same precision as qmatmul.c's two int8 levels,
+   whose second level is at most 1/254 of the first), and the weights as int16 too, so one
+   vpmaddwd multiplies 2 k of 8 output features and sums them into 32 bits that hold a whole
+   group (|q| <= 127, |xq| <= 32767: 32 products fit), for every format alike.
+
+   The weights are unpacked from qmatmul.c's layout once per slab of SLAB chunks of TILE_BLOCKS lane
+   blocks into a small buffer ([chunk][k pair][block] x 8 lanes x 2 k, int16), which then serves
+   every row of the batch from L1: for a tile of TILE_ROWS rows, each k pair costs TILE_BLOCKS loads of weights,
+   TILE_ROWS broadcasts of x and TILE_BLOCKS x TILE_ROWS multiply-adds, all kept in registers. The float sums live in y
+   itself (zeroed first), scaled once per group. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "qmatmul.h"
+
+#ifdef __AVX2__
+#include <immintrin.h>
+
+#define TILE_BLOCKS 2                  /* lane blocks (of 8 output features) a tile holds */
+#ifndef TILE_ROWS
+#define TILE_ROWS 2                  /* rows a tile holds */
+#endif
+#define SLAB 8                /* chunks of 32 k unpacked at a time: TILE_BLOCKS x 8 KiB / 2 of weights */
+#define PAIRS (CHUNK / 2)     /* k pairs a chunk holds */
+
+typedef struct {
+    const int16_t *x; const float *dx; const float *xsum;  /* x [rows, in] int16, dx and xsum [rows, chunks] */
+    int64_t in, chunks, rows;
+    const Part *p; int64_t groups, supers;                  /* groups and super-blocks per output row */
+    float *y; int64_t y_stride;
+} Batch;
+
+/* A factor per lane of lane block b's group g: the f16 factor of its super-block times the
+   group's int8 (when the format has one), as qmatmul.c's load_factor. */
+static inline __m256 factor(const Batch *a, const _Float16 *per_super, const int8_t *per_group, int64_t b, int64_t g) {
+    const int64_t sg = a->p->sg;
+    __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(per_super + (b * a->supers + g / sg) * LANES)));
+    if (per_group)
+        f = _mm256_mul_ps(f, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)(per_group + (b * a->groups + g) * LANES)))));
+    return f;
+}
+
+/* One quad of chunk c of lane block b (k = 32c + 4t + i, i < 4, for each of the 8 lanes: lane l
+   at bytes 4l .. 4l+3) as signed bytes, from any of qmatmul.c's packings. */
+static inline __m256i quad(const Part *p, int64_t chunks, int64_t b, int64_t c, int t) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    if (p->bits == 8) return _mm256_loadu_si256((const __m256i *)((const int8_t *)p->q + ((b * chunks + c) * 8 + t) * 32));
+    const uint8_t *at = p->q + (b * chunks + c) * p->bits * 32;
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(at + (t & 3) * 32));
+    __m256i u = t < 4 ? _mm256_and_si256(w, low4) : _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+    if (p->bits == 6) {  /* the top 2 bits of quad t & 3 of half t / 4 sit at bits 2(t & 3), +1 */
+        const __m256i top = _mm256_loadu_si256((const __m256i *)(at + (4 + t / 4) * 32));
+        const __m256i shifted = _mm256_srlv_epi32(top, _mm256_set1_epi32(2 * (t & 3)));
+        u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(shifted, _mm256_set1_epi8(3)), 4));
+        u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)p->shift));
+    }
+    return u;
+}
+
+/* Slab [c0, c0 + n) of lane blocks b .. b+nb-1 into w: pair j of chunk c, block i at
+   w + ((c - c0) * PAIRS + j) * nb * 16 + i * 16, lanes 0-7 each (k = 32c + 2j, 32c + 2j + 1). */
+static inline void unpack(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n, int16_t *w) {
+    /* per 128-bit half (lanes 0-3, 4-7): the bytes of k 0,1 of each lane, then of k 2,3 */
+    const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    for (int64_t c = c0; c < c0 + n; c++)
+        for (int i = 0; i < nb; i++)
+            for (int t = 0; t < 8; t++) {
+                const __m256i q = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(quad(a->p, a->chunks, b + i, c, t), pick),
+                                                           0xD8);  /* qwords 0 2 1 3: all lanes' k 0,1, then k 2,3 */
+                int16_t *out = w + ((c - c0) * PAIRS + 2 * t) * nb * 16 + i * 16;
+                _mm256_store_si256((__m256i *)out, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)));
+                _mm256_store_si256((__m256i *)(out + nb * 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)));
+            }
+}
+
+/* Rows r0 .. r0+mt-1 of lane blocks b .. b+nb-1 over the unpacked slab: y += their products.
+   NBT, MTT, GS are constants at each call; the sums stay in registers for the slab. */
+static inline __attribute__((always_inline)) void tile(const Batch *a, const int16_t *w, const float *scales,
+                                                       const float *offsets, int64_t b, int64_t c0, int64_t n,
+                                                       int64_t r0, const int NBT, const int MTT, const int GS) {
+    const int16_t *x[TILE_ROWS];
+    __m256 sum[TILE_BLOCKS][TILE_ROWS];
+    for (int r = 0; r < MTT; r++) x[r] = a->x + (r0 + r) * a->in;
+    for (int i = 0; i < NBT; i++)
+        for (int r = 0; r < MTT; r++) sum[i][r] = _mm256_setzero_ps();
+    for (int64_t c = c0; c < c0 + n; c++) {
+        for (int h = 0; h < CHUNK / GS; h++) {
+            __m256i acc[TILE_BLOCKS][TILE_ROWS];
+            for (int i = 0; i < NBT; i++)
+                for (int r = 0; r < MTT; r++) acc[i][r] = _mm256_setzero_si256();
+            for (int j = h * GS / 2; j < (h + 1) * GS / 2; j++) {
+                const int16_t *wj = w + ((c - c0) * PAIRS + j) * NBT * 16;
+                __m256i wv[TILE_BLOCKS];
+                for (int i = 0; i < NBT; i++) {
+                    wv[i] = _mm256_load_si256((const __m256i *)(wj + i * 16));
+                    __asm__("" : "+x"(wv[i]));  /* one load per k pair, not one per row */
+                }
+                for (int r = 0; r < MTT; r++) {
+                    int32_t pair;
+                    memcpy(&pair, x[r] + c * CHUNK + 2 * j, 4);
+                    const __m256i xb = _mm256_set1_epi32(pair);
+                    for (int i = 0; i < NBT; i++) acc[i][r] = _mm256_add_epi32(acc[i][r], _mm256_madd_epi16(wv[i], xb));
+                }
+            }
+            for (int i = 0; i < NBT; i++) {
+                const __m256 scale = _mm256_load_ps(scales + (((c - c0) * 2 + h) * NBT + i) * LANES);
+                for (int r = 0; r < MTT; r++)
+                    sum[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][r]),
+                                                _mm256_mul_ps(scale, _mm256_set1_ps(a->dx[(r0 + r) * a->chunks + c])), sum[i][r]);
+            }
+        }
+        if (offsets)
+            for (int i = 0; i < NBT; i++) {
+                const __m256 offset = _mm256_load_ps(offsets + ((c - c0) * NBT + i) * LANES);
+                for (int r = 0; r < MTT; r++)
+                    sum[i][r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a->xsum[(r0 + r) * a->chunks + c]), sum[i][r]);
+            }
+    }
+    for (int i = 0; i < NBT; i++)
+        for (int r = 0; r < MTT; r++) {
+            float *y = a->y + (r0 + r) * a->y_stride + (b + i) * LANES;
+            _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), sum[i][r]));
+        }
+}
+
+static inline __attribute__((always_inline)) void tiles(const Batch *a, const int16_t *w, const float *scales,
+                                                        const float *offsets, int64_t b, int64_t c0, int64_t n,
+                                                        const int NBT, const int GS) {
+    int64_t r = 0;
+    for (; r + TILE_ROWS <= a->rows; r += TILE_ROWS) tile(a, w, scales, offsets, b, c0, n, r, NBT, TILE_ROWS, GS);
+    if (TILE_ROWS > 2 && a->rows - r >= 2) { tile(a, w, scales, offsets, b, c0, n, r, NBT, 2, GS); r += 2; }
+    if (a->rows - r) tile(a, w, scales, offsets, b, c0, n, r, NBT, 1, GS);
+}
+
+/* Lane blocks b .. b+nb-1, all rows: y zeroed, then slab by slab. */
+static void blocks(const Batch *a, int64_t b, int nb) {
+    int16_t w[SLAB * PAIRS * TILE_BLOCKS * 16] __attribute__((aligned(32)));
+    float scales[SLAB * 2 * TILE_BLOCKS * LANES] __attribute__((aligned(32)));
+    float offsets[SLAB * TILE_BLOCKS * LANES] __attribute__((aligned(32)));
+    const Part *p = a->p;
+    const int gs = (int)p->gs;
+    for (int64_t r = 0; r < a->rows; r++) memset(a->y + r * a->y_stride + b * LANES, 0, nb * LANES * sizeof(float));
+    for (int64_t c0 = 0; c0 < a->chunks; c0 += SLAB) {
+        const int64_t n = a->chunks - c0 < SLAB ? a->chunks - c0 : SLAB;
+        unpack(a, b, nb, c0, n, w);
+        for (int64_t c = c0; c < c0 + n; c++)
+            for (int i = 0; i < nb; i++) {
+                for (int h = 0; h < CHUNK / gs; h++)
+                    _mm256_store_ps(scales + (((c - c0) * 2 + h) * nb + i) * LANES, factor(a, p->d, p->sc, b + i, c * CHUNK / gs + h));
+                if (p->dm)
+                    _mm256_store_ps(offsets + ((c - c0) * nb + i) * LANES, factor(a, p->dm, p->mn, b + i, c * CHUNK / gs));
+            }
+        const float *o = p->dm ? offsets : NULL;
+        if (nb == 2) { if (gs == 16) tiles(a, w, scales, o, b, c0, n, 2, 16); else tiles(a, w, scales, o, b, c0, n, 2, 32); }
+        else         { if (gs == 16) tiles(a, w, scales, o, b, c0, n, 1, 16); else tiles(a, w, scales, o, b, c0, n, 1, 32); }
+    }
+}
+
+/* Each row of x [rows, in] (stride x_stride) as int16 per 32 values: xq = round(x / dx) (to
+   nearest even, as lrintf), dx = max|x| / 32767; xsum the float sum of the 32 (for the offsets). */
+static void quantize_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, int16_t *xq, float *dx, float *xsum) {
+    const int64_t chunks = in / CHUNK;
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    #pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = 0; c < chunks; c++) {
+        const float *v = x + r * x_stride + c * CHUNK;
+        __m256 part[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            part[i] = _mm256_loadu_ps(v + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_and_ps(part[i], magnitude));
+            sum = _mm256_add_ps(sum, part[i]);
+        }
+        float lanes[8], largest = 0.0f, total = 0.0f;
+        _mm256_storeu_ps(lanes, amax);
+        for (int i = 0; i < 8; i++) largest = lanes[i] > largest ? lanes[i] : largest;
+        _mm256_storeu_ps(lanes, sum);
+        for (int i = 0; i < 8; i++) total += lanes[i];
+        const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
+        for (int i = 0; i < 4; i += 2) {
+            const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(part[i], inverse)),
+                                                      _mm256_cvtps_epi32(_mm256_mul_ps(part[i + 1], inverse)));
+            _mm256_storeu_si256((__m256i *)(xq + r * in + c * CHUNK + 8 * i), _mm256_permute4x64_epi64(packed, 0xD8));
+        }
+        dx[r * chunks + c] = largest / 32767.0f;
+        xsum[r * chunks + c] = total;
+    }
+}
+
+int qlinear_batch_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, const Scratch *scratch,
+                            const Part *parts, int64_t num_parts, float *y, int64_t y_stride) {
+    int16_t *xq = (int16_t *)scratch->xq;  /* two levels' room: rows x in int16 */
+    quantize_rows(x, rows, x_stride, in, xq, scratch->dx, scratch->xsum);
+    for (int64_t k = 0; k < num_parts; k++) {
+        const Part *p = &parts[k];
+        const Batch a = {xq, scratch->dx, scratch->xsum, in, in / CHUNK, rows, p, in / p->gs, in / p->gs / p->sg,
+                         y + p->column, y_stride};
+        const int64_t pairs = (p->blocks + 1) / 2;
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < pairs; i++) blocks(&a, 2 * i, 2 * i + 1 < p->blocks ? 2 : 1);
+    }
+    return 1;
+}
+
+#else
+
+int qlinear_batch_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, const Scratch *scratch,
+                            const Part *parts, int64_t num_parts, float *y, int64_t y_stride) {
+    (void)x; (void)rows; (void)x_stride; (void)in; (void)scratch; (void)parts; (void)num_parts; (void)y; (void)y_stride;
+    return 0;  /* no AVX2: qmatmul.c's loops serve every batch */
+}
+
+#endif
