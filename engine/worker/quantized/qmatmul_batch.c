@@ -8,11 +8,13 @@
    vpmaddwd multiplies 2 k of 8 output features and sums them into 32 bits that hold a whole
    group (|q| <= 127, |xq| <= 32767: 32 products fit), for every format alike.
 
-   The weights are unpacked from qmatmul.c's layout once per slab of SLAB chunks of TILE_BLOCKS lane
-   blocks into a small buffer ([chunk][k pair][block] x 8 lanes x 2 k, int16), which then serves
-   every row of the batch from L1: for a tile of TILE_ROWS rows, each k pair costs TILE_BLOCKS loads of weights,
-   TILE_ROWS broadcasts of x and TILE_BLOCKS x TILE_ROWS multiply-adds, all kept in registers. The float sums live in y
-   itself (zeroed first), scaled once per group. */
+   The weights are unpacked from qmatmul.c's layout once per slab of SLAB chunks of TILE_BLOCKS
+   lane blocks into a small buffer ([chunk][k pair][block] x 8 lanes x 2 k, int16: 8 KiB), which
+   then serves every row of the batch from L1: for a tile of TILE_ROWS rows, each k pair costs
+   TILE_BLOCKS loads of weights, TILE_ROWS broadcasts of x and TILE_BLOCKS x TILE_ROWS
+   multiply-adds, the sums in registers; each group's are scaled into float sums, also in
+   registers, which are added into y (zeroed first) once per slab. A part's last block may write
+   past its columns into the next part's, as in qmatmul.c: that part zeroes them before its sums. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -22,12 +24,10 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 
-#define TILE_BLOCKS 2                  /* lane blocks (of 8 output features) a tile holds */
-#ifndef TILE_ROWS
-#define TILE_ROWS 2                  /* rows a tile holds */
-#endif
-#define SLAB 8                /* chunks of 32 k unpacked at a time: TILE_BLOCKS x 8 KiB / 2 of weights */
-#define PAIRS (CHUNK / 2)     /* k pairs a chunk holds */
+#define TILE_BLOCKS 2  /* lane blocks (of 8 output features) a tile holds */
+#define TILE_ROWS 2    /* rows a tile holds (4 spilled registers: 1.6x slower) */
+#define SLAB 8         /* chunks of 32 k unpacked at a time */
+#define PAIRS (CHUNK / 2)  /* k pairs a chunk holds */
 
 typedef struct {
     const int16_t *x; const float *dx; const float *xsum;  /* x [rows, in] int16, dx and xsum [rows, chunks] */
@@ -81,7 +81,7 @@ static inline void unpack(const Batch *a, int64_t b, int nb, int64_t c0, int64_t
             }
 }
 
-/* Rows r0 .. r0+mt-1 of lane blocks b .. b+nb-1 over the unpacked slab: y += their products.
+/* Rows r0 .. r0+MTT-1 of lane blocks b .. b+NBT-1 over the unpacked slab: y += their products.
    NBT, MTT, GS are constants at each call; the sums stay in registers for the slab. */
 static inline __attribute__((always_inline)) void tile(const Batch *a, const int16_t *w, const float *scales,
                                                        const float *offsets, int64_t b, int64_t c0, int64_t n,
@@ -136,7 +136,6 @@ static inline __attribute__((always_inline)) void tiles(const Batch *a, const in
                                                         const int NBT, const int GS) {
     int64_t r = 0;
     for (; r + TILE_ROWS <= a->rows; r += TILE_ROWS) tile(a, w, scales, offsets, b, c0, n, r, NBT, TILE_ROWS, GS);
-    if (TILE_ROWS > 2 && a->rows - r >= 2) { tile(a, w, scales, offsets, b, c0, n, r, NBT, 2, GS); r += 2; }
     if (a->rows - r) tile(a, w, scales, offsets, b, c0, n, r, NBT, 1, GS);
 }
 
