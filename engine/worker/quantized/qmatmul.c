@@ -55,18 +55,9 @@ static inline void group_scale(const Args *a, int64_t b, int64_t g, int64_t grou
 #ifdef __AVX2__
 #include <immintrin.h>
 
-/* A scale (d, sc) or an offset (dm, mn) of lane block b's group g, per lane: the f16 factor of
-   its super-block times the int8 factor of the group (when there is one). */
 static inline __m256 load_factor(const Args *a, const _Float16 *per_super, const int8_t *per_group,
                                  int64_t b, int64_t g, int64_t groups) {
-    /* a shift, not a division: a 64-bit divide per group was the 4-bit loop's largest cost */
-    const int64_t s = (b * a->supers + (g >> a->sg_shift)) * LANES;
-    __m256 factor = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(per_super + s)));
-    if (per_group) {
-        const __m128i small = _mm_loadl_epi64((const __m128i *)(per_group + (b * groups + g) * LANES));
-        factor = _mm256_mul_ps(factor, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(small)));
-    }
-    return factor;
+    return group_factor(per_super, per_group, b, g, a->sg_shift, a->supers, groups);
 }
 
 #ifndef PREFETCH

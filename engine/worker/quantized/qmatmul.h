@@ -18,6 +18,25 @@ typedef struct {
 #define LANES 8   /* output features a block of quants holds; a part may write this far past its columns */
 #define CHUNK 32  /* activations are quantized per this many values */
 
+#ifdef __AVX2__
+#include <immintrin.h>
+
+/* A scale (d, sc) or an offset (dm, mn) of lane block b's group g, per lane: the f16 factor of
+   its super-block (2^sg_shift groups; `supers` of them per output row) times the int8 factor of
+   the group (when there is one; `groups` per row). */
+static inline __m256 group_factor(const _Float16 *per_super, const int8_t *per_group, int64_t b, int64_t g,
+                                  int sg_shift, int64_t supers, int64_t groups) {
+    /* a shift, not a division: a 64-bit divide per group was the 4-bit loop's largest cost */
+    const int64_t s = (b * supers + (g >> sg_shift)) * LANES;
+    __m256 factor = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(per_super + s)));
+    if (per_group) {
+        const __m128i small = _mm_loadl_epi64((const __m128i *)(per_group + (b * groups + g) * LANES));
+        factor = _mm256_mul_ps(factor, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(small)));
+    }
+    return factor;
+}
+#endif
+
 void qlinear_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
                        const Scratch *scratch, const Part *parts, int64_t num_parts, float *y, int64_t y_stride);
 

@@ -36,15 +36,8 @@ typedef struct {
     float *y; int64_t y_stride;
 } Batch;
 
-/* A factor per lane of lane block b's group g: the f16 factor of its super-block times the
-   group's int8 (when the format has one), as qmatmul.c's load_factor. */
 static inline __m256 factor(const Batch *a, const _Float16 *per_super, const int8_t *per_group, int64_t b, int64_t g) {
-    const int64_t sg = a->p->sg;
-    __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(per_super + (b * a->supers + g / sg) * LANES)));
-    if (per_group)
-        f = _mm256_mul_ps(f, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-            _mm_loadl_epi64((const __m128i *)(per_group + (b * a->groups + g) * LANES)))));
-    return f;
+    return group_factor(per_super, per_group, b, g, __builtin_ctzll(a->p->sg), a->supers, a->groups);
 }
 
 /* One quad of chunk c of lane block b (k = 32c + 4t + i, i < 4, for each of the 8 lanes: lane l
