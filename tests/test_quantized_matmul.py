@@ -55,7 +55,7 @@ def activation_rounding_bound(x: torch.Tensor, matrix: QuantizedMatrix, levels: 
 
 
 @pytest.mark.parametrize("levels", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 32])  # 17 and 32: the batch loops
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 32, 300])  # from 17: the batch loops; 300: three passes of 100
 @pytest.mark.parametrize("qtype", gguf_formats.QUANTIZED_TYPES, ids=lambda t: t.name)
 def test_matmul_equals_dequantize_then_matmul(qtype, rows, levels):
     matrix, _ = matrix_of(qtype)
@@ -93,7 +93,7 @@ def test_the_portable_spelling_computes_the_same(qtype, levels, portable_library
                                rtol=1e-4, atol=1e-5 * float(fast.abs().max()))
 
 
-@pytest.mark.parametrize("rows", [3, 20])
+@pytest.mark.parametrize("rows", [3, 20, 260])  # 260: the batch loops in three passes over the parts
 def test_parts_in_different_formats_side_by_side(rows):
     """A fused projection whose parts are in different formats (Q4_K_M's q/k in Q4_K, v in Q6_K)."""
     first, _ = matrix_of(T.Q4_K, rows=16, seed=1)
