@@ -17,6 +17,9 @@ and interleaving puts every system through the same stretches.
   sequence (`-pps`), at the workload's mean prompt length; its figure is output tokens over the
   whole run (prompt + generation), as ours is. Its prompts are its own filler tokens (it takes
   no token file): the lengths match the workload's, the ids do not, which does not change the work.
+  That run computes ~235 prompt tokens where ours computes ~1,400 (each chat's own tokens past the
+  shared prompt's cached blocks), so a second 32-chat run gives every chat that many tokens of its
+  own, without the shared prompt and -pps: the same prompt work as ours (`own_prompts_tok_s`).
 
 Also measured on the spot: main-memory read bandwidth (a sum over 1 GiB on all cores, best of 5),
 and from it each system's single-chat share of the bound one chat's decode has (every weight read
@@ -134,13 +137,14 @@ def llamacpp(build: Path, workload: Path, dtype: str, output_tokens: int, model:
     prompt_len = round(statistics.mean(len(p) for p in prompts))
     threads = str(os.cpu_count())
 
-    def batched(chats: int, tokens: int, prompt: int) -> tuple[dict, float]:
+    def batched(chats: int, tokens: int, prompt: int, shared: bool = True) -> tuple[dict, float]:
         start = time.perf_counter()
         # -kvu: one KV buffer for all sequences, so the shared prompt is held once (as a prefix cache
         # holds it); without it each sequence gets a copy and the context must fit them all.
-        out = run([str(bench), "-m", str(model), "-c", str(prompt + chats * tokens + 64), "-b", "2048", "-ub", "512",
-                   "-npp", str(prompt), "-ntg", str(tokens), "-npl", str(chats), "-pps", "-kvu", "-t", threads,
-                   "-tb", threads, "--output-format", "jsonl"])
+        context = (prompt if shared else chats * prompt) + chats * tokens + 64
+        out = run([str(bench), "-m", str(model), "-c", str(context), "-b", "2048", "-ub", "512",
+                   "-npp", str(prompt), "-ntg", str(tokens), "-npl", str(chats), *(["-pps"] if shared else []), "-kvu",
+                   "-t", threads, "-tb", threads, "--output-format", "jsonl"])
         try:
             return last_json(out), time.perf_counter() - start
         except ValueError:
@@ -149,12 +153,31 @@ def llamacpp(build: Path, workload: Path, dtype: str, output_tokens: int, model:
     # Start-up: a whole process to one generated token (the model loaded, one prompt, one token).
     _, startup = batched(1, 1, prompt_len)
     many, _ = batched(len(prompts), output_tokens, prompt_len)
+    # The same prompt work as ours: ours finds the shared prompt's full blocks in its prefix cache
+    # (computed at its start-up) and computes each chat's own tokens, ~1,400 of them; with -pps
+    # llama.cpp computes the shared prompt once (~235) and no chat's own tokens. Here each chat
+    # computes its own share, without the shared part (its attention over ~200 fewer positions:
+    # under 2% of a 1B's work per token).
+    own, _ = batched(len(prompts), output_tokens, own_prompt_tokens(prompts), shared=False)
     single, _ = batched(1, output_tokens, prompt_len)
     return {"system": "llamacpp", "dtype": dtype, "startup_s": round(startup, 1),
             "tok_s": round(many["pl"] * many["tg"] / many["t"], 2),
+            "own_prompts_tok_s": round(own["pl"] * own["tg"] / own["t"], 2),
             "single_tok_s": round(single["tg"] / single["t"], 2), "chats": len(prompts),
             # its lone chat's generation alone (S_TG): ours has the prompt cached by then, it has not
             "decode_tok_s": round(single["speed_tg"], 2)}
+
+
+def own_prompt_tokens(prompts: list[list[int]]) -> int:
+    """The mean prompt tokens ours computes per chat once the shared prefix is cached: those past
+    the last full KV block (the engine's block size) of the prompts' common prefix."""
+    from engine.core.config import SchedulerConfig
+
+    common = 0
+    while all(len(p) > common and p[common] == prompts[0][common] for p in prompts):
+        common += 1
+    cached = common // SchedulerConfig.block_size * SchedulerConfig.block_size
+    return round(statistics.mean(len(p) - cached for p in prompts))
 
 
 def weight_bytes(dtype: str) -> int:
@@ -263,9 +286,13 @@ def gguf_main(args, parser) -> None:
             # is decode alone), llama.cpp's computes it again, so its generation rate is set against ours.
             row["llamacpp_decode_tok_s_rounds"] = [f["decode_tok_s"] for f in runs["llamacpp"]]
             row["llamacpp_decode_tok_s"] = round(statistics.median(row["llamacpp_decode_tok_s_rounds"]), 2)
+            row["llamacpp_own_prompts_tok_s_rounds"] = [f["own_prompts_tok_s"] for f in runs["llamacpp"]]
+            row["llamacpp_own_prompts_tok_s"] = round(statistics.median(row["llamacpp_own_prompts_tok_s_rounds"]), 2)
             for system in [s for s in runs if s.startswith("engine") and runs[s]]:
                 row[f"{system}_over_llamacpp_decode"] = round(
                     row[f"{system}_single_tok_s"] / row["llamacpp_decode_tok_s"], 2)
+                row[f"{system}_over_llamacpp_own_prompts"] = round(
+                    row[f"{system}_tok_s"] / row["llamacpp_own_prompts_tok_s"], 2)
         results[path.name] = row
 
     # The issue's dense baseline: a file's engine single chat over ours on the dense folder of the
@@ -304,6 +331,9 @@ def gguf_main(args, parser) -> None:
                       f"(rounds {row[f'{system}_over_llamacpp_single_rounds']}); decode alone "
                       f"{row[f'{system}_single_tok_s']:.1f} vs its generation {row['llamacpp_decode_tok_s']:.1f} tok/s: "
                       f"{row[f'{system}_over_llamacpp_decode']:.2f}x")
+                print(f"{blank} {system} / llamacpp computing each chat's own prompt tokens, as ours does: "
+                      f"{row[f'{system}_tok_s']:.1f} vs {row['llamacpp_own_prompts_tok_s']:.1f} tok/s: "
+                      f"{row[f'{system}_over_llamacpp_own_prompts']:.2f}x")
             if f"{system}_over_dense_single" in row:
                 print(f"{blank} {system} alone / dense {row['dense']}: {row[f'{system}_over_dense_single']:.2f}x")
     print(json.dumps({"cpu": cpu_model(), "cores": os.cpu_count(), "read_gb_s": round(bandwidth, 1),
