@@ -42,3 +42,14 @@ def test_gguf_comparison_runs_ours_on_the_file_and_reports_llama_cpp_not_set_up(
     workload = json.loads((tmp_path / "workload-SmolLM2-135M-Instruct.Q4_1.json").read_text())
     assert len(workload["prompts"]) == 2
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in done.stdout and "Q4_1" in done.stdout  # the table names the file
+
+
+def test_the_same_prompt_work_is_each_chats_tokens_past_the_cached_blocks():
+    """compare.py's llama.cpp run on ours' prompt work: per chat, the tokens past the last full KV
+    block (16 tokens) of the prompts' common prefix, which our prefix cache does not hold."""
+    from benchmarks.peers.compare import own_prompt_tokens
+
+    shared = list(range(100, 140))  # 40 common tokens: two full blocks cached
+    assert own_prompt_tokens([shared + [1] * 10, shared + [2] * 20]) == ((50 - 32) + (60 - 32)) // 2
+    assert own_prompt_tokens([shared[:15] + [3], shared[:15] + [4, 5, 6]]) == 17  # no full block: whole prompts
+    assert own_prompt_tokens([shared[:32] + [7] * 4, shared[:32] + [8] * 6]) == 5  # a prefix of whole blocks

@@ -124,8 +124,10 @@ def vllm(build: Path, workload: Path, dtype: str, output_tokens: int) -> dict:
                           "--dtype", dtype, "--output-tokens", str(output_tokens)]))
 
 
-def llamacpp(build: Path, workload: Path, dtype: str, output_tokens: int, model: Path | None = None) -> dict:
-    """`model`: a GGUF file to run (default: SmolLM2 converted to `dtype` by llama_cpp.sh)."""
+def llamacpp(build: Path, workload: Path, dtype: str, output_tokens: int, model: Path | None = None,
+             own_prompts: bool = False) -> dict:
+    """`model`: a GGUF file to run (default: SmolLM2 converted to `dtype` by llama_cpp.sh);
+    `own_prompts`: also the 32 chats on the same prompt work as ours (below)."""
     bench = build / "llama-batched-bench"
     if not bench.exists():
         raise RuntimeError(f"not set up ({bench.name} missing): bash benchmarks/peers/llama_cpp.sh")
@@ -158,11 +160,11 @@ def llamacpp(build: Path, workload: Path, dtype: str, output_tokens: int, model:
     # llama.cpp computes the shared prompt once (~235) and no chat's own tokens. Here each chat
     # computes its own share, without the shared part (its attention over ~200 fewer positions:
     # under 2% of a 1B's work per token).
-    own, _ = batched(len(prompts), output_tokens, own_prompt_tokens(prompts), shared=False)
+    own = batched(len(prompts), output_tokens, own_prompt_tokens(prompts), shared=False)[0] if own_prompts else None
     single, _ = batched(1, output_tokens, prompt_len)
     return {"system": "llamacpp", "dtype": dtype, "startup_s": round(startup, 1),
             "tok_s": round(many["pl"] * many["tg"] / many["t"], 2),
-            "own_prompts_tok_s": round(own["pl"] * own["tg"] / own["t"], 2),
+            **({"own_prompts_tok_s": round(own["pl"] * own["tg"] / own["t"], 2)} if own else {}),
             "single_tok_s": round(single["tg"] / single["t"], 2), "chats": len(prompts),
             # its lone chat's generation alone (S_TG): ours has the prompt cached by then, it has not
             "decode_tok_s": round(single["speed_tg"], 2)}
@@ -261,7 +263,7 @@ def gguf_main(args, parser) -> None:
         else:
             for system in systems:
                 if system == "llamacpp":
-                    runners[system] = lambda: llamacpp(args.build, workload, "gguf", args.output_tokens, path)
+                    runners[system] = lambda: llamacpp(args.build, workload, "gguf", args.output_tokens, path, own_prompts=True)
                 else:
                     for label, q in engines.items():
                         runners[label] = (lambda q=q: engine(args.build, workload, args.dtype, args.output_tokens, path, q))
