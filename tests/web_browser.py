@@ -104,7 +104,15 @@ def set_slider(page, label: str, value: float) -> None:
 def set_params(page, max_tokens: int, temperature: float = 0.0) -> None:
     """Type the values into the chat page's sliders' number boxes (in the parameters accordion)."""
     max_box = page.get_by_role("spinbutton", name="number input for Max new tokens")
-    if not max_box.is_visible():
+    # The header toggles the accordion. A click could be lost while the page was still settling
+    # (once in a loaded suite run, on the phone-sized page): clicked again until the box shows.
+    deadline = time.monotonic() + DEADLINE_S
+    while not max_box.is_visible():
+        assert time.monotonic() < deadline, f"the parameters accordion did not open in {DEADLINE_S} s"
         page.get_by_text("System prompt and parameters").click()
+        try:
+            max_box.wait_for(state="visible", timeout=15_000)
+        except sync_api.TimeoutError:
+            pass
     set_slider(page, "Max new tokens", max_tokens)
     set_slider(page, "Temperature", temperature)
