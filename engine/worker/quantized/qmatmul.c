@@ -66,17 +66,6 @@ static inline __m256 load_factor(const Args *a, const _Float16 *per_super, const
 
 static inline __m256i broadcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
-/* The top 2 bits of quad t's 6-bit quants, from where the layout keeps them (bits 2t, 2t + 1 of
-   each byte) to bits 4 and 5 (16-bit shifts move bits across bytes: the mask drops those). */
-static inline __m256i top_bits(__m256i packed, int t) {
-    const __m256i mask = _mm256_set1_epi8(0x30);
-    switch (t) {
-        case 0: return _mm256_and_si256(_mm256_slli_epi16(packed, 4), mask);
-        case 1: return _mm256_and_si256(_mm256_slli_epi16(packed, 2), mask);
-        case 2: return _mm256_and_si256(packed, mask);
-        default: return _mm256_and_si256(_mm256_srli_epi16(packed, 2), mask);
-    }
-}
 
 /* Lane block b's outputs for rows r0 .. r0+MT-1; MT, GS, BITS, LEVELS are constants at each
    call. Level 1 is the rounded row, level 2 (when LEVELS is 2) what rounding left out. */

@@ -35,6 +35,18 @@ static inline __m256 group_factor(const _Float16 *per_super, const int8_t *per_g
     }
     return factor;
 }
+
+/* The top 2 bits of quad t's 6-bit quants, from where the layout keeps them (bits 2t, 2t + 1 of
+   each byte) to bits 4 and 5 (16-bit shifts move bits across bytes: the mask drops those). */
+static inline __m256i top_bits(__m256i packed, int t) {
+    const __m256i mask = _mm256_set1_epi8(0x30);
+    switch (t) {
+        case 0: return _mm256_and_si256(_mm256_slli_epi16(packed, 4), mask);
+        case 1: return _mm256_and_si256(_mm256_slli_epi16(packed, 2), mask);
+        case 2: return _mm256_and_si256(packed, mask);
+        default: return _mm256_and_si256(_mm256_srli_epi16(packed, 2), mask);
+    }
+}
 #endif
 
 void qlinear_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,

@@ -38,22 +38,40 @@ typedef struct {
     float *y; int64_t y_stride;
 } Batch;
 
-static inline __m256 factor(const Batch *a, const _Float16 *per_super, const int8_t *per_group, int64_t b, int64_t g) {
-    return group_factor(per_super, per_group, b, g, __builtin_ctzll(a->p->sg), a->supers, a->groups);
+/* The factors (qmatmul.h's group_factor: scales or offsets) of lane block b's groups g0 .. g0+count-1,
+   a vector of LANES each, at out, out + step, ...: the pointers walked, each super-block's f16
+   factor converted once. (Computed a group at a time from b and g, with their index arithmetic,
+   they took ~5% of a 32-row product.) */
+static inline void group_factors(const Batch *a, const _Float16 *per_super, const int8_t *per_group, int64_t b,
+                                 int64_t g0, int64_t count, float *out, int64_t step) {
+    const int sg_shift = __builtin_ctzll(a->p->sg);
+    const _Float16 *super = per_super + b * a->supers * LANES;
+    const int8_t *group = per_group ? per_group + (b * a->groups + g0) * LANES : NULL;
+    int64_t s = -1;
+    __m256 d = _mm256_setzero_ps();
+    for (int64_t k = 0; k < count; k++) {
+        if ((g0 + k) >> sg_shift != s) {
+            s = (g0 + k) >> sg_shift;
+            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(super + s * LANES)));
+        }
+        __m256 f = d;
+        if (group) f = _mm256_mul_ps(f, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(group + k * LANES)))));
+        _mm256_store_ps(out + k * step, f);
+    }
 }
 
 /* One quad of chunk c of lane block b (k = 32c + 4t + i, i < 4, for each of the 8 lanes: lane l
-   at bytes 4l .. 4l+3) as signed bytes, from any of qmatmul.c's packings. */
-static inline __m256i quad(const Part *p, int64_t chunks, int64_t b, int64_t c, int t) {
+   at bytes 4l .. 4l+3) as signed bytes, from qmatmul.c's packing of BITS-bit quants; BITS and t
+   are constants at each call (a format's test and shifts out of the loop). */
+static inline __attribute__((always_inline)) __m256i quad(const Part *p, int64_t chunks, int64_t b, int64_t c,
+                                                          const int t, const int BITS) {
     const __m256i low4 = _mm256_set1_epi8(15);
-    if (p->bits == 8) return _mm256_loadu_si256((const __m256i *)((const int8_t *)p->q + ((b * chunks + c) * 8 + t) * 32));
-    const uint8_t *at = p->q + (b * chunks + c) * p->bits * 32;
+    if (BITS == 8) return _mm256_loadu_si256((const __m256i *)((const int8_t *)p->q + ((b * chunks + c) * 8 + t) * 32));
+    const uint8_t *at = p->q + (b * chunks + c) * BITS * 32;
     const __m256i w = _mm256_loadu_si256((const __m256i *)(at + (t & 3) * 32));
     __m256i u = t < 4 ? _mm256_and_si256(w, low4) : _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-    if (p->bits == 6) {  /* the top 2 bits of quad t & 3 of half t / 4 sit at bits 2(t & 3), +1 */
-        const __m256i top = _mm256_loadu_si256((const __m256i *)(at + (4 + t / 4) * 32));
-        const __m256i shifted = _mm256_srlv_epi32(top, _mm256_set1_epi32(2 * (t & 3)));
-        u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(shifted, _mm256_set1_epi8(3)), 4));
+    if (BITS == 6) {  /* the top 2 bits of quad t & 3 of half t / 4 */
+        u = _mm256_or_si256(u, top_bits(_mm256_loadu_si256((const __m256i *)(at + (4 + t / 4) * 32)), t & 3));
         u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)p->shift));
     }
     return u;
@@ -61,19 +79,32 @@ static inline __m256i quad(const Part *p, int64_t chunks, int64_t b, int64_t c, 
 
 /* Slab [c0, c0 + n) of lane blocks b .. b+nb-1 into w: pair j of chunk c, block i at
    w + ((c - c0) * PAIRS + j) * nb * 16 + i * 16, lanes 0-7 each (k = 32c + 2j, 32c + 2j + 1). */
-static inline void unpack(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n, int16_t *w) {
-    /* per 128-bit half (lanes 0-3, 4-7): the bytes of k 0,1 of each lane, then of k 2,3 */
+static inline __attribute__((always_inline)) void unpack_bits(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n,
+                                                              int16_t *w, const int BITS) {
+    /* per 128-bit half (lanes 0-3, 4-7): the bytes of k 0,1 of each lane, then of k 2,3; the
+       unpacks then widen each half's first 8 bytes (k 0,1 of its lanes) into one vector of all 8
+       lanes' pairs, and its last 8 (k 2,3) into another: 3 instructions where a cross-lane permute,
+       two sign extensions and an extract took 5 */
     const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     for (int64_t c = c0; c < c0 + n; c++)
-        for (int i = 0; i < nb; i++)
+        for (int i = 0; i < nb; i++) {
+            _Pragma("GCC unroll 8")
             for (int t = 0; t < 8; t++) {
-                const __m256i q = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(quad(a->p, a->chunks, b + i, c, t), pick),
-                                                           0xD8);  /* qwords 0 2 1 3: all lanes' k 0,1, then k 2,3 */
+                const __m256i q = _mm256_shuffle_epi8(quad(a->p, a->chunks, b + i, c, t, BITS), pick);
+                /* the high bytes: 0 for the 4-bit quants (0..15), the sign of the others */
+                const __m256i high = BITS == 4 ? _mm256_setzero_si256() : _mm256_cmpgt_epi8(_mm256_setzero_si256(), q);
                 int16_t *out = w + ((c - c0) * PAIRS + 2 * t) * nb * 16 + i * 16;
-                _mm256_store_si256((__m256i *)out, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)));
-                _mm256_store_si256((__m256i *)(out + nb * 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)));
+                _mm256_store_si256((__m256i *)out, _mm256_unpacklo_epi8(q, high));
+                _mm256_store_si256((__m256i *)(out + nb * 16), _mm256_unpackhi_epi8(q, high));
             }
+        }
+}
+
+static void unpack(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n, int16_t *w) {
+    if (a->p->bits == 4) unpack_bits(a, b, nb, c0, n, w, 4);
+    else if (a->p->bits == 6) unpack_bits(a, b, nb, c0, n, w, 6);
+    else unpack_bits(a, b, nb, c0, n, w, 8);
 }
 
 /* Rows r0 .. r0+MTT-1 of lane blocks b .. b+NBT-1 over the unpacked slab: y += their products.
@@ -151,18 +182,17 @@ static void blocks(const Batch *a, int64_t b, int nb) {
     float scales[SLAB * 2 * TILE_BLOCKS * LANES] __attribute__((aligned(32)));
     float offsets[SLAB * TILE_BLOCKS * LANES] __attribute__((aligned(32)));
     const Part *p = a->p;
-    const int gs = (int)p->gs, per_chunk = CHUNK / gs;  /* groups a chunk holds: a multiply per chunk, not a divide */
+    const int gs = (int)p->gs, per_chunk = CHUNK / gs;  /* groups a chunk holds */
     for (int64_t r = 0; r < a->rows; r++) memset(a->y + r * a->y_stride + b * LANES, 0, nb * LANES * sizeof(float));
     for (int64_t c0 = 0; c0 < a->chunks; c0 += SLAB) {
         const int64_t n = a->chunks - c0 < SLAB ? a->chunks - c0 : SLAB;
         unpack(a, b, nb, c0, n, w);
-        for (int64_t c = c0; c < c0 + n; c++)
-            for (int i = 0; i < nb; i++) {
-                for (int h = 0; h < per_chunk; h++)
-                    _mm256_store_ps(scales + (((c - c0) * 2 + h) * nb + i) * LANES, factor(a, p->d, p->sc, b + i, c * per_chunk + h));
-                if (p->dm)
-                    _mm256_store_ps(offsets + ((c - c0) * nb + i) * LANES, factor(a, p->dm, p->mn, b + i, c * per_chunk));
-            }
+        /* the scale of chunk c's group h at scales + (((c - c0) * 2 + h) * nb + i) * LANES, its
+           offset (32-wide groups only) at offsets + ((c - c0) * nb + i) * LANES */
+        for (int i = 0; i < nb; i++) {
+            group_factors(a, p->d, p->sc, b + i, c0 * per_chunk, n * per_chunk, scales + i * LANES, 2 / per_chunk * nb * LANES);
+            if (p->dm) group_factors(a, p->dm, p->mn, b + i, c0, n, offsets + i * LANES, nb * LANES);
+        }
         const float *o = p->dm ? offsets : NULL;
         if (nb == 2) { if (gs == 16) tiles(a, w, scales, o, b, c0, n, 2, 16); else tiles(a, w, scales, o, b, c0, n, 2, 32); }
         else         { if (gs == 16) tiles(a, w, scales, o, b, c0, n, 1, 16); else tiles(a, w, scales, o, b, c0, n, 1, 32); }
