@@ -7,7 +7,9 @@ only for the rows that sample. The layers' maths is models/layers/'s, shared wit
 decode steps; weights come from the model's checkpoint (models/weights.py), q/k/v and gate/up
 projections fused into one matmul each. A step of one token on a model whose layer matrices are
 all kept quantized (a GGUF file served natively, float32 on a CPU) runs its layers in one native
-call instead (engine/worker/quantized/lone_decode.py), the same arithmetic in C.
+call instead (engine/worker/quantized/lone_decode.py), the same arithmetic in C; on such a model a
+batch of decodes (every sequence one token) takes its attention from one native call per layer
+(engine/worker/quantized/decode_attention.py).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from engine.worker.models.layers.rms_norm import RMSNorm
 from engine.worker.models.layers.rotary import RotaryTable, rotate
 from engine.worker.models.layers.shape import DecoderShape
 from engine.worker.models.weights import DecoderWeights, Weight
+from engine.worker.quantized.decode_attention import DecodeAttention
 from engine.worker.quantized.lone_decode import LoneDecode
 from engine.worker.quantized.matrix import QuantizedMatrix
 
@@ -80,6 +83,9 @@ class LlamaModel:
         self.rotary = RotaryTable(checkpoint, dtype, device)
         # A lone token's layers in one native call, where every layer matrix is kept quantized.
         self.lone_decode = LoneDecode.of(self) if self.quantized else None
+        # ... and a batch of decodes' attention in one native call per layer, for the same models.
+        self.decode_attention = (DecodeAttention.of(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.scale)
+                                 if self.lone_decode is not None else None)
         self._kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     @property
@@ -122,6 +128,8 @@ class LlamaModel:
             return self.lm_head(self.norm(hidden[logits_indices])).float()
         shape = self.shape
         q_size, kv_size, dim = shape.q_size, shape.kv_size, shape.head_dim
+        # every sequence computing one token (each computes at least one): a batch of decodes
+        native_attention = self.decode_attention is not None and input_ids.shape[0] == meta.seqused_k.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, self._layer_views(kv_cache)):
             qkv = layer.qkv(layer.input_norm(hidden))
             # q and k rotate together and in place: one set of small ops per layer instead of
@@ -132,8 +140,11 @@ class LlamaModel:
             k = qkv[:, q_size:q_size + kv_size].view(-1, shape.num_kv_heads, dim)
             v = qkv[:, q_size + kv_size:].view(-1, shape.num_kv_heads, dim)
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.slot_index)
-            attn = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
-                                           meta.block_table, shape.scale, attention_plan=meta.plan)
+            if native_attention:
+                attn = self.decode_attention(q, k_cache, v_cache, meta.block_table, meta.seqused_k)
+            else:
+                attn = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
+                                               meta.block_table, shape.scale, attention_plan=meta.plan)
             hidden = hidden + layer.o_proj(attn.reshape(-1, q_size))
             gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, dim=-1)
             hidden = hidden + layer.down(silu_and_mul(gate, up))

@@ -11,8 +11,7 @@
      h += attn @ Wo.T;  x = rms_norm(h) * post_norm;  [g, u] = x @ Wgu.T;  h += (silu(g) * u) @ Wd.T
    The sums run in another order than torch's, so results agree to float32 rounding, not bits.
 
-   Cache layout (LlamaModel.kv_cache_shape): a layer's K of block b, kv head j, offset o starts at
-   k_cache + b * block_stride + (j * block_size + o) * head_dim; V the same from v_cache. */
+   The attention is decode_attention.c's, which describes the cache's layout. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -38,21 +37,8 @@ typedef struct {
     int64_t context;               /* keys after this token's (its position + 1) */
     Scratch scratch;               /* for the widest row: max(hidden, q heads' size, ffn) */
     /* each with LANES floats of room past its end for a part's padding */
-    float *x, *qkv, *attn, *delta, *gate_up, *scores;  /* scores: heads * context */
+    float *x, *qkv, *attn, *delta, *gate_up;
 } Step;
-
-/* Eight running sums, so that the compiler can keep them in one vector register (a single float
-   sum is a chain of dependent adds it may not reorder). */
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float sums[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) sums[j] += a[i + j] * b[i + j];
-    float total = 0.0f;
-    for (; i < n; i++) total += a[i] * b[i];
-    for (int j = 0; j < 8; j++) total += sums[j];
-    return total;
-}
 
 static void rms_norm(const float *h, const float *weight, int64_t n, float eps, float *out) {
     const float inverse = 1.0f / sqrtf(dot(h, h, n) / (float)n + eps);
@@ -65,30 +51,6 @@ static void rotate(float *x, const float *cos_sin, int64_t dim) {
     memcpy(swapped, x + half, half * sizeof(float));
     memcpy(swapped + half, x, half * sizeof(float));
     for (int64_t i = 0; i < dim; i++) x[i] = x[i] * cos_sin[i] + swapped[i] * cos_sin[dim + i];
-}
-
-static inline const float *key_row(const float *cache, const Step *s, int64_t kv_head, int64_t t) {
-    const int64_t block = s->block_table[t / s->block_size], offset = t % s->block_size;
-    return cache + block * s->block_stride + (kv_head * s->block_size + offset) * s->head_dim;
-}
-
-static void attend_head(const Layer *l, const Step *s, int64_t head) {
-    const int64_t dim = s->head_dim, kv_head = head / (s->heads / s->kv_heads);
-    const float *q = s->qkv + head * dim;
-    float *scores = s->scores + head * s->context, *out = s->attn + head * dim, top = -INFINITY;
-    for (int64_t t = 0; t < s->context; t++) {
-        scores[t] = dot(q, key_row(l->k_cache, s, kv_head, t), dim) * s->scale;
-        top = fmaxf(top, scores[t]);
-    }
-    float total = 0.0f;
-    for (int64_t i = 0; i < dim; i++) out[i] = 0.0f;
-    for (int64_t t = 0; t < s->context; t++) {
-        const float weight = expf(scores[t] - top);
-        const float *v = key_row(l->v_cache, s, kv_head, t);
-        total += weight;
-        for (int64_t i = 0; i < dim; i++) out[i] += weight * v[i];
-    }
-    for (int64_t i = 0; i < dim; i++) out[i] /= total;
 }
 
 /* Inside the parallel region: every thread runs this, the matmuls and heads shared among them. */
@@ -112,7 +74,10 @@ static void layer_in_region(float *h, const Layer *l, const Step *s) {
         }
     }
     #pragma omp for schedule(static)
-    for (int64_t head = 0; head < s->heads; head++) attend_head(l, s, head);
+    for (int64_t head = 0; head < s->heads; head++)  /* a head at a time: 9 heads share 2 threads better than 3 kv heads */
+        attend_kv_head(s->qkv + head * s->head_dim, 1, l->k_cache, l->v_cache, s->block_table, s->context,
+                       head / (s->heads / s->kv_heads), s->head_dim, s->block_size, s->block_stride, s->scale,
+                       s->attn + head * s->head_dim);
     qlinear_in_region(s->attn, 1, q_size, q_size, s->levels, &s->scratch, l->o, l->o_parts, s->delta, 0);
     #pragma omp single
     {

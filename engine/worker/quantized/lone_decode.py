@@ -37,7 +37,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("ffn", _I), ("levels", _I),
                 ("eps", _F), ("scale", _F), ("block_size", _I), ("block_stride", _I), ("cos_sin", _P), ("slot", _I),
                 ("block_table", _P), ("context", _I), ("scratch", native.Scratch), ("x", _P), ("qkv", _P),
-                ("attn", _P), ("delta", _P), ("gate_up", _P), ("scores", _P)]
+                ("attn", _P), ("delta", _P), ("gate_up", _P)]
 
 
 class LoneDecode:
@@ -73,7 +73,6 @@ class LoneDecode:
         self._attn = torch.empty(shape.q_size + room)
         self._delta = torch.empty(shape.hidden_size + room)
         self._gate_up = torch.empty(2 * self._ffn + room)
-        self._scores = torch.empty(0)
         self._layers: tuple[torch.Tensor, ctypes.Array] | None = None
         self._step = _Step(hidden=shape.hidden_size, heads=shape.num_heads, kv_heads=shape.num_kv_heads,
                            head_dim=shape.head_dim, ffn=self._ffn, levels=LEVELS, eps=shape.eps,
@@ -110,14 +109,10 @@ class LoneDecode:
         `block_table` row (int32) and `context` (keys after this token's): the hidden state after
         the last layer, `[1, hidden_size]`."""
         layers = self._layer_array(kv_cache)
-        heads = self.model.shape.num_heads
-        if self._scores.numel() < heads * context:
-            self._scores = torch.empty(heads * max(context, 2 * self._scores.numel() // heads, 256))
         hidden = hidden.contiguous()
         cos_sin, block_table = cos_sin.contiguous(), block_table.contiguous()
         step = self._step
         step.cos_sin, step.slot, step.block_table, step.context = (cos_sin.data_ptr(), slot, block_table.data_ptr(),
                                                                    context)
-        step.scores = self._scores.data_ptr()
         self._lib.decode_layers(hidden.data_ptr(), ctypes.addressof(layers), len(self.model.layers), ctypes.byref(step))
         return hidden

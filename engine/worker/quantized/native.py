@@ -1,5 +1,6 @@
-"""The quantized matmul's C loops (qmatmul.c) and the lone-token decoder layers built on them
-(decode_layers.c), compiled once per machine into one library and loaded with ctypes.
+"""The quantized matmul's C loops (qmatmul.c, qmatmul_batch.c), the decoding sequences' attention
+(decode_attention.c) and the lone-token decoder layers built on them (decode_layers.c), compiled
+once per machine into one library and loaded with ctypes.
 
 The library is built with the system's C compiler for this CPU's instructions (`-march=native`)
 into the compiled packages' folder (engine/worker/compiled_decode.packages_folder), named by a
@@ -26,7 +27,8 @@ from engine.worker.package_trust import digest_problem, folder_problem, install
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("qmatmul.c", "qmatmul_batch.c", "decode_layers.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("qmatmul.c", "qmatmul_batch.c", "decode_attention.c", "decode_layers.c"))
 HEADER = Path(__file__).with_name("qmatmul.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _lock = threading.Lock()
@@ -47,7 +49,8 @@ class Scratch(ctypes.Structure):
 
 
 _SIGNATURES = {"qlinear": [_P, _I, _I, _I, _I, ctypes.POINTER(Scratch), ctypes.POINTER(Part), _I, _P, _I],
-               "decode_layers": [_P, _P, _I, _P]}
+               "decode_layers": [_P, _P, _I, _P],
+               "decode_attention": [_P, _I, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]}
 
 
 def _compiler() -> str | None:

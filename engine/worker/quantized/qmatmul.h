@@ -56,6 +56,26 @@ void qlinear_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t i
 #define BATCH_ROWS 16 /* from this many rows (with two levels) qmatmul_batch.c's loops take a product */
 #endif
 
+/* Eight running sums, so that the compiler can keep them in one vector register (a single float
+   sum is a chain of dependent adds it may not reorder). */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float sums[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) sums[j] += a[i + j] * b[i + j];
+    float total = 0.0f;
+    for (; i < n; i++) total += a[i] * b[i];
+    for (int j = 0; j < 8; j++) total += sums[j];
+    return total;
+}
+
+/* decode_attention.c: `rep` query heads (q [rep, dim]) that share kv head `kv_head` attend over the
+   first `context` keys of a sequence, read through its block table from the paged cache; out
+   [rep, dim]. */
+void attend_kv_head(const float *q, int64_t rep, const float *k_cache, const float *v_cache,
+                    const int32_t *block_table, int64_t context, int64_t kv_head, int64_t dim,
+                    int64_t block_size, int64_t block_stride, float scale, float *out);
+
 /* qmatmul_batch.c: the same product for a batch of rows, x carried in int16 (two levels' precision);
    returns 0, doing nothing, where it has no loops for this CPU. */
 int qlinear_batch_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, const Scratch *scratch,
