@@ -47,6 +47,7 @@ def test_the_engine_takes_it_for_a_batch_of_decodes_and_greedy_replies_are_uncha
     llm = LLM(embedded_gguf, quantization="native", num_gpu_blocks=128, num_cpu_blocks=8, compile_decode=False)
     model = llm.engine.core.runner.model
     assert isinstance(model.decode_attention, DecodeAttention)
+    assert all(layer.input_norm.native is not None for layer in model.layers)  # RMSNorm.native
     calls = []
     native_call = DecodeAttention.__call__
     monkeypatch.setattr(DecodeAttention, "__call__", lambda self, q, *rest: calls.append(q.shape[0]) or native_call(self, q, *rest))

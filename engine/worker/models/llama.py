@@ -27,6 +27,7 @@ from engine.worker.models.layers.rms_norm import RMSNorm
 from engine.worker.models.layers.rotary import RotaryTable, rotate
 from engine.worker.models.layers.shape import DecoderShape
 from engine.worker.models.weights import DecoderWeights, Weight
+from engine.worker.quantized import native
 from engine.worker.quantized.decode_attention import DecodeAttention
 from engine.worker.quantized.lone_decode import LoneDecode
 from engine.worker.quantized.matrix import QuantizedMatrix
@@ -86,6 +87,9 @@ class LlamaModel:
         # ... and a batch of decodes' attention in one native call per layer, for the same models.
         self.decode_attention = (DecodeAttention.of(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.scale)
                                  if self.lone_decode is not None else None)
+        if self.lone_decode is not None:  # ... and the norms (see RMSNorm.native)
+            for norm in [self.norm, *(n for layer in self.layers for n in (layer.input_norm, layer.post_norm))]:
+                norm.weight, norm.native = norm.weight.float().contiguous(), native.library()
         self._kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     @property

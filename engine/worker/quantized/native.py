@@ -50,6 +50,7 @@ class Scratch(ctypes.Structure):
 
 _SIGNATURES = {"qlinear": [_P, _I, _I, _I, _I, ctypes.POINTER(Scratch), ctypes.POINTER(Part), _I, _P, _I],
                "decode_layers": [_P, _P, _I, _P],
+               "rms_norm_rows": [_P, _I, _I, _P, _I, ctypes.c_float, _P],
                "decode_attention": [_P, _I, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]}
 
 
