@@ -9,7 +9,7 @@ projections fused into one matmul each. A step of one token on a model whose lay
 all kept quantized (a GGUF file served natively, float32 on a CPU) runs its layers in one native
 call instead (engine/worker/quantized/lone_decode.py), the same arithmetic in C; on such a model a
 batch of decodes (every sequence one token) takes its attention from one native call per layer
-(engine/worker/quantized/decode_attention.py).
+(engine/worker/quantized/decode_attention.py), and every step its norms (RMSNorm.native).
 """
 from __future__ import annotations
 

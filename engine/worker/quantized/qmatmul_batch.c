@@ -248,7 +248,8 @@ int qlinear_batch_in_region(const float *x, int64_t rows, int64_t x_stride, int6
             const int64_t pairs = (p->blocks + 1) / 2;
             /* Handed out 4 pairs at a time, not in two fixed halves: on a shared host one core
                often runs slower for a while, and the other then waited at the barrier (~10% of
-               the time in libgomp at 32 rows; 1.05-1.1x faster over a decode step's matmuls). */
+               the time in libgomp at 32 rows; a decode step's matmuls 1.05-1.07x faster in two of three
+               A/B runs, level in the third). */
             #pragma omp for schedule(dynamic, 4)
             for (int64_t i = 0; i < pairs; i++) blocks(&a, 2 * i, 2 * i + 1 < p->blocks ? 2 : 1);
         }
