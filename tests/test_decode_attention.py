@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels
 from engine import LLM, SamplingParams
 from engine.worker.models.llama import layer_kv
 from engine.worker.quantized.decode_attention import DecodeAttention
@@ -51,10 +52,15 @@ def test_the_engine_takes_it_for_a_batch_of_decodes_and_greedy_replies_are_uncha
     calls = []
     native_call = DecodeAttention.__call__
     monkeypatch.setattr(DecodeAttention, "__call__", lambda self, q, *rest: calls.append(q.shape[0]) or native_call(self, q, *rest))
+    plans = []
+    plan_attention = kernels.plan_attention
+    monkeypatch.setattr(kernels, "plan_attention", lambda **kw: plans.append(kw["q_lens"]) or plan_attention(**kw))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers."]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert calls and max(calls) == 3  # a layer's call per step of the three decoding together
+    assert plans and all(max(q_lens) > 1 for q_lens in plans)  # only prompt steps planned torch's attention
+    assert model.attends_natively(3, 3) and not model.attends_natively(4, 3)
     native, model.decode_attention = model.decode_attention, None
     try:
         torch_attention = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -141,7 +141,7 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
             seqused_k=torch.tensor(k_lens, dtype=torch.int32).to(device, non_blocking=True),
             block_table=block_table)
-        if not self.model.runs_lone_natively(len(input_ids)):
+        if not self.model.attends_natively(len(input_ids), len(k_lens)):
             meta.plan = kernels.plan_attention(
                 q_lens=[b - a for a, b in zip(cu_q, cu_q[1:])], k_lens=k_lens, num_heads=shape.num_heads,
                 kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, cache=self.kv_cache, block_table=block_table,

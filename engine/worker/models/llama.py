@@ -88,8 +88,9 @@ class LlamaModel:
         self.decode_attention = (DecodeAttention.of(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.scale)
                                  if self.lone_decode is not None else None)
         if self.lone_decode is not None:  # ... and the norms (see RMSNorm.native)
+            lib = native.library()
             for norm in [self.norm, *(n for layer in self.layers for n in (layer.input_norm, layer.post_norm))]:
-                norm.weight, norm.native = norm.weight.float().contiguous(), native.library()
+                norm.native = lib
         self._kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     @property
@@ -114,6 +115,13 @@ class LlamaModel:
         paged cache itself: the step needs no attention plan)."""
         return self.lone_decode is not None and num_tokens == 1
 
+    def attends_natively(self, num_tokens: int, num_seqs: int) -> bool:
+        """Whether a step of `num_tokens` tokens over `num_seqs` sequences reads the paged cache in
+        native code only (the lone step's layers, or a batch of decodes' `decode_attention`: every
+        sequence computes at least one token, so one each when the two are equal): the step then
+        needs no attention plan."""
+        return self.runs_lone_natively(num_tokens) or (self.decode_attention is not None and num_tokens == num_seqs)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -132,8 +140,7 @@ class LlamaModel:
             return self.lm_head(self.norm(hidden[logits_indices])).float()
         shape = self.shape
         q_size, kv_size, dim = shape.q_size, shape.kv_size, shape.head_dim
-        # every sequence computing one token (each computes at least one): a batch of decodes
-        native_attention = self.decode_attention is not None and input_ids.shape[0] == meta.seqused_k.shape[0]
+        native_attention = self.attends_natively(input_ids.shape[0], meta.seqused_k.shape[0])
         for layer, (k_cache, v_cache) in zip(self.layers, self._layer_views(kv_cache)):
             qkv = layer.qkv(layer.input_norm(hidden))
             # q and k rotate together and in place: one set of small ops per layer instead of
