@@ -134,20 +134,29 @@ def test_the_eos_id_read_without_transformers_is_the_tokenizers(model, tiny_mode
     assert eos_token_id(str(folder)) == load_tokenizer(str(folder)).eos_token_id
 
 
-def test_a_core_on_a_folder_never_imports_transformers(tiny_model_dir):
-    """The point of reading folders directly: an engine core (what engine/core_process.py runs)
-    starts and decodes without importing transformers, whose modelling stack alone pulls in
-    torch._dynamo and torch.distributed.tensor."""
+MODELLING = ("torch._dynamo", "triton", "transformers.models.llama.modeling_llama")  # what a model class imports
+
+
+@pytest.mark.parametrize("model", ["folder", "GGUF file"])
+def test_a_core_never_imports_the_modelling_stack(tiny_model_dir, embedded_gguf, model):
+    """The point of reading folders and Llama GGUF files directly: an engine core (what
+    engine/core_process.py runs) starts and decodes without transformers' modelling stack, which
+    pulls in torch._dynamo, triton and torch.distributed.tensor (~160 MiB resident, ~3 s of
+    CPU); on a folder, without transformers at all (a GGUF's reader is transformers' GGUF module)."""
+    from engine.worker.model_loader import resolve_model
+    name, options = (tiny_model_dir, "") if model == "folder" else (embedded_gguf, ", quantization='native'")
+    resolve_model(name)  # a GGUF's cached folder written here: the core only reads it
+    unwanted = ("transformers",) if model == "folder" else MODELLING
     script = f"""
 import sys
 from engine.core.sampling_params import SamplingParams
 from engine.engine_core import EngineCore
-core = EngineCore({tiny_model_dir!r}, num_gpu_blocks=32, num_cpu_blocks=0, compile_decode=False)
+core = EngineCore({name!r}, num_gpu_blocks=32, num_cpu_blocks=0, compile_decode=False{options})
 core.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
 tokens = []
 while core.has_unfinished():
     tokens += [t for out in core.step() for t in out.token_ids]
-print(len(tokens), core.eos_token_id, [m for m in ("transformers", "torch._dynamo") if m in sys.modules])
+print(len(tokens), core.eos_token_id, [m for m in {unwanted!r} + ("torch._dynamo",) if m in sys.modules])
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -119,6 +119,33 @@ def test_tiny_llama_loads_from_gguf(tmp_path, tiny_hf):
     assert torch.equal(model.model.rotary_emb.inv_freq, tiny_hf.model.rotary_emb.inv_freq / torch.from_numpy(rope_factors))
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_llama_gguf_is_read_as_its_transformers_model(tmp_path, tiny_hf, quantized):
+    """read_checkpoint (no transformers model built) gives the engine what load_model's model
+    gives it through checkpoint.of_transformers: the same weights to the bit, the same matrices
+    kept quantized, the rotary frequencies divided by rope_freqs alike."""
+    from engine.worker.checkpoint import of_transformers
+    from engine.worker.gguf_file import read_checkpoint
+    from tests.test_checkpoint import assert_same
+
+    config = tiny_hf.config
+    rope_factors = np.linspace(1.0, 8.0, config.hidden_size // config.num_attention_heads // 2, dtype=np.float32)
+    path = write_gguf(tmp_path / "tiny.gguf", "llama", [*tiny_llama_tensors(tiny_hf), ("rope_freqs.weight", rope_factors, T.F32)])
+    read = read_checkpoint(path, config.to_dict(), torch.float32, quantized=quantized)
+    taken = of_transformers(load_model(path, config, torch.float32, quantized=quantized))
+    assert read.quantized.keys() == taken.quantized.keys() and (len(read.quantized) > 0) == quantized
+    for name, matrix in taken.quantized.items():
+        assert torch.equal(read.quantized[name].dequantize(), matrix.dequantize()), name
+    taken.parameters = {name: t for name, t in taken.parameters.items() if name not in taken.quantized}  # meta
+    assert_same(read, taken)
+    assert not torch.equal(read.inv_freq, tiny_hf.model.rotary_emb.inv_freq)  # rope_freqs applied
+
+    assert read_checkpoint(path, {**config.to_dict(), "model_type": "mistral"}, torch.float32) is None  # transformers' way
+    weights = [t for t in tiny_llama_tensors(tiny_hf) if t[0] != "blk.1.ffn_down.weight"]
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight.*missing from the GGUF file"):
+        read_checkpoint(write_gguf(tmp_path / "holed.gguf", "llama", weights), config.to_dict(), torch.float32)
+
+
 def test_embedded_gguf_by_path_decodes_as_the_default(embedded_gguf, smol_llm):
     folder = model_loader.resolve_model(embedded_gguf)  # config + tokenizer only: no weights written
     record = model_loader.gguf_source(folder)

@@ -3,12 +3,14 @@ its rotary frequencies.
 
 A Llama folder of safetensors (the embedded default's converted folder, a transformers save, a
 hub snapshot on disk) is read directly: the config from config.json, the tensors with
-`safetensors`, the rotary frequencies computed as transformers computes them. Building the
-transformers model instead imports transformers' modelling stack, which pulls in torch._dynamo and
-torch.distributed.tensor: ~5 s of CPU on a 2-core EPYC at every start of an engine, its core
-process or a compiled step's build, for weights the engine copies out at once anyway. Anything
-else (a hub id, Mistral and Qwen2 folders, other RoPE scalings, a config that leaves out what we
-would have to guess, a GGUF file) goes through the transformers model (`of_transformers`).
+`safetensors`, the rotary frequencies computed as transformers computes them; a Llama GGUF file
+likewise (gguf_file.read_checkpoint, with its cached folder's config.json). Building the
+transformers model instead imports transformers' modelling stack, which pulls in torch._dynamo,
+triton and torch.distributed.tensor: ~3-5 s of CPU on a 2-core EPYC at every start of an engine,
+its core process or a compiled step's build, and ~160 MiB of resident memory, for weights the
+engine copies out at once anyway. Anything else (a hub id, Mistral and Qwen2 folders or files,
+other RoPE scalings, a config that leaves out what we would have to guess) goes through the
+transformers model (`of_transformers`).
 """
 from __future__ import annotations
 
@@ -82,18 +84,13 @@ def read_folder(path: str | Path, dtype: torch.dtype) -> Checkpoint | None:
     config_path = folder / "config.json"
     if not config_path.is_file():
         return None
-    raw = json.loads(config_path.read_text())
-    if raw.get("model_type") != "llama" or "quantization_config" in raw or any(k not in raw for k in REQUIRED_KEYS):
+    described = llama_config(json.loads(config_path.read_text()))
+    if described is None:
         return None
-    rope = _rope_parameters(raw)
-    if rope is None:
-        return None
+    config, rope = described
     files = _safetensors_files(folder)
     if files is None:
         return None
-    config = SimpleNamespace(**(LLAMA_DEFAULTS | raw))
-    config.num_key_value_heads = raw.get("num_key_value_heads") or config.num_attention_heads
-    config.rope_parameters = rope
     from safetensors.torch import load_file
 
     parameters = {}
@@ -105,8 +102,22 @@ def read_folder(path: str | Path, dtype: torch.dtype) -> Checkpoint | None:
         parameters.pop("lm_head.weight", None)
     if not _complete(parameters, config.num_hidden_layers, tied):
         return None
-    inv_freq = _inv_freq(config, rope)
-    return Checkpoint(config=config, parameters=parameters, inv_freq=inv_freq, tied=tied)
+    return Checkpoint(config=config, parameters=parameters, inv_freq=rotary_inv_freq(config, rope), tied=tied)
+
+
+def llama_config(raw: dict) -> tuple[SimpleNamespace, dict] | None:
+    """config.json's keys (`raw`) as the engine reads a config, with its rotary parameters; None
+    for what this module does not read (another family, a quantization config, a key left out
+    that transformers would default, another RoPE scaling)."""
+    if raw.get("model_type") != "llama" or "quantization_config" in raw or any(k not in raw for k in REQUIRED_KEYS):
+        return None
+    rope = _rope_parameters(raw)
+    if rope is None:
+        return None
+    config = SimpleNamespace(**(LLAMA_DEFAULTS | raw))
+    config.num_key_value_heads = raw.get("num_key_value_heads") or config.num_attention_heads
+    config.rope_parameters = rope
+    return config, rope
 
 
 def _rope_parameters(raw: dict) -> dict | None:
@@ -122,7 +133,7 @@ def _rope_parameters(raw: dict) -> dict | None:
     return {"rope_type": "default", **rope}
 
 
-def _inv_freq(config: SimpleNamespace, rope: dict) -> torch.Tensor:
+def rotary_inv_freq(config: SimpleNamespace, rope: dict) -> torch.Tensor:
     """The rotary frequencies as transformers' LlamaRotaryEmbedding computes them (default: its
     `compute_default_rope_parameters`; llama3: modeling_rope_utils' llama 3.1 scaling), op for op,
     so the tables are the same to the bit."""
@@ -155,12 +166,17 @@ def _safetensors_files(folder: Path) -> list[Path] | None:
     return None
 
 
-def _complete(parameters: dict[str, torch.Tensor], num_layers: int, tied: bool) -> bool:
-    """Every weight the engine reads is in the files (transformers would make up a missing one)."""
+def llama_parameter_names(num_layers: int, tied: bool) -> list[str]:
+    """Every weight the engine reads of a Llama decoder, by transformers' names."""
     names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
     for i in range(num_layers):
         prefix = f"model.layers.{i}"
         names += [f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight"]
         names += [f"{prefix}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
         names += [f"{prefix}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-    return all(name in parameters for name in names)
+    return names
+
+
+def _complete(parameters: dict[str, torch.Tensor], num_layers: int, tied: bool) -> bool:
+    """Every weight the engine reads is in the files (transformers would make up a missing one)."""
+    return all(name in parameters for name in llama_parameter_names(num_layers, tied))

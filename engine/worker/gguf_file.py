@@ -1,9 +1,10 @@
-"""A GGUF file by path: what it holds, whether we serve it, and its weights as a transformers model.
+"""A GGUF file by path: what it holds, whether we serve it, and its weights, as the engine's
+checkpoint (`read_checkpoint`, for Llama files) or as a transformers model (`load_model`).
 
 Read with the `gguf` package's GGUFReader (llama.cpp's own reader), never by hand. `inspect_gguf`
 refuses a file before anything else touches it: an architecture other than llama, mistral or
-qwen2, or a tensor in a type `gguf_formats` does not read (named with the tensor). `load_model`
-dequantizes each tensor with `gguf_formats` straight from the memory-mapped file into the dtype
+qwen2, or a tensor in a type `gguf_formats` does not read (named with the tensor). Both readers
+dequantize each tensor with `gguf_formats` straight from the memory-mapped file into the dtype
 the engine runs in (one tensor in float32 at a time), so a 7B file never becomes a dense copy on
 disk; tensor names and llama.cpp's query/key row order are mapped back to transformers' as
 transformers' own GGUF loader maps them, and Llama 3's `rope_freqs` (which that loader drops) is
@@ -116,17 +117,62 @@ def load_model(path: str | Path, config, dtype: torch.dtype, quantized: bool = F
     the file, as `QuantizedMatrix`es in the model's `quantized_weights` (transformers' parameter
     name -> matrix), and the model's own parameters of those names stay on the meta device (no
     memory): only the engine's decoder (models/weights.py) reads them."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     reader = open_reader(path)
     info = inspect_gguf(path, reader)
-    logger.info("loading %s, %s", info.describe(),
-                "its quantized matrices kept quantized" if quantized else f"dequantized to {str(dtype).removeprefix('torch.')}")
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with torch.device("meta"):
-        names = gguf_names(model_class(config).state_dict(), info.architecture, config.num_hidden_layers)
-    processor = TENSOR_PROCESSORS.get(info.architecture, TensorProcessor)(config=config.to_dict())
+        hf_names = model_class(config).state_dict()
+    state_dict, kept, rope_factors = _read_tensors(reader, info, hf_names, config.to_dict(), dtype, quantized)
+    if kept:
+        model = _model_without(kept, model_class, config, state_dict, dtype)
+    else:
+        model = model_class.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
+    model.quantized_weights = kept
+    if rope_factors is not None:
+        _divide_rope_frequencies(model, rope_factors)
+    return model.eval()
+
+
+def read_checkpoint(path: str | Path, raw_config: dict, dtype: torch.dtype, quantized: bool = False):
+    """What load_model's model gives the engine (checkpoint.of_transformers of it), read without
+    building that model, for a Llama file whose config (`raw_config`: its cached folder's
+    config.json) checkpoint.llama_config reads; None for any other, to go through load_model."""
+    from engine.worker.checkpoint import Checkpoint, llama_config, llama_parameter_names, rotary_inv_freq
+
+    described = llama_config(raw_config)
+    if described is None:
+        return None
+    config, rope = described
+    reader = open_reader(path)
+    info = inspect_gguf(path, reader)
+    num_layers = config.num_hidden_layers
+    state_dict, kept, rope_factors = _read_tensors(reader, info, llama_parameter_names(num_layers, tied=False),
+                                                   vars(config), dtype, quantized)
+    tied = bool(config.tie_word_embeddings)
+    if tied:  # as transformers ties it: the head is the embedding, whatever the file holds
+        state_dict.pop("lm_head.weight", None)
+        kept.pop("lm_head.weight", None)
+    missing = [name for name in llama_parameter_names(num_layers, tied) if name not in state_dict and name not in kept]
+    if missing:
+        raise ValueError(f"{missing[:5]} missing from the GGUF file")
+    inv_freq = rotary_inv_freq(config, rope)
+    if rope_factors is not None:
+        inv_freq = inv_freq / rope_factors.to(inv_freq)
+    return Checkpoint(config=config, parameters=state_dict, inv_freq=inv_freq, tied=tied, quantized=kept)
+
+
+def _read_tensors(reader, info: GGUFInfo, hf_names, config: dict, dtype: torch.dtype, quantized: bool):
+    """(state_dict, kept, rope factors) of the file: the tensors named in `hf_names` (transformers'
+    names) by those names, dequantized into `dtype`, or, where `quantized`, its quantized matrices
+    as QuantizedMatrix in `kept`; Llama 3's `rope_freqs` factors (None when the file has none)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    logger.info("loading %s, %s", info.describe(),
+                "its quantized matrices kept quantized" if quantized else f"dequantized to {str(dtype).removeprefix('torch.')}")
+    names = gguf_names(hf_names, info.architecture, config["num_hidden_layers"])
+    processor = TENSOR_PROCESSORS.get(info.architecture, TensorProcessor)(config=config)
     state_dict, kept, rope_factors = {}, {}, None
     for tensor in reader.tensors:
         raw = torch.from_numpy(tensor.data)
@@ -143,14 +189,7 @@ def load_model(path: str | Path, config, dtype: torch.dtype, quantized: bool = F
         weights = processor.process(weights=weights, name=tensor.name).weights  # llama.cpp's q/k row order undone
         # a copy even in the file's own dtype: a view would keep the whole file mapped (and resident)
         state_dict[name] = weights.to(dtype, copy=True)
-    if kept:
-        model = _model_without(kept, model_class, config, state_dict, dtype)
-    else:
-        model = model_class.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
-    model.quantized_weights = kept
-    if rope_factors is not None:
-        _divide_rope_frequencies(model, rope_factors)
-    return model.eval()
+    return state_dict, kept, rope_factors
 
 
 def _quantized_matrix(raw: torch.Tensor, tensor, shape: tuple[int, ...], processor):

@@ -269,18 +269,22 @@ def load_hf_model(model: str | None = None, dtype: torch.dtype | None = None, qu
 
 
 def load_checkpoint(model: str | None = None, dtype: torch.dtype | None = None, quantized: bool = False):
-    """`model`'s checkpoint, what the engine's decoder takes (checkpoint.py): read from a Llama
-    folder's safetensors directly where checkpoint.read_folder can, else taken from load_hf_model's
-    transformers model. Refuses unsupported architectures before any weights."""
+    """`model`'s checkpoint, what the engine's decoder takes (checkpoint.py): read directly from a
+    Llama folder's safetensors or a Llama GGUF file where checkpoint.read_folder or
+    gguf_file.read_checkpoint can, else taken from load_hf_model's transformers model. Refuses
+    unsupported architectures before any weights."""
     import torch
 
     from engine.worker.checkpoint import of_transformers, read_folder
 
     dtype = dtype or torch.float32
     path = resolve_model(model)
-    if not quantized and gguf_source(path) is None and (checkpoint := read_folder(path, dtype)) is not None:
-        return checkpoint
-    return of_transformers(load_hf_model(model, dtype, quantized=quantized)[0])
+    if (source := gguf_source(path)) is not None:
+        from engine.worker.gguf_file import read_checkpoint
+        checkpoint = read_checkpoint(source["path"], json.loads((Path(path) / "config.json").read_text()), dtype, quantized)
+    else:
+        checkpoint = None if quantized else read_folder(path, dtype)
+    return checkpoint if checkpoint is not None else of_transformers(load_hf_model(model, dtype, quantized=quantized)[0])
 
 
 def eos_token_id(model: str | None = None) -> int | None:
