@@ -1,17 +1,29 @@
-"""engine/worker/quantized/decode_attention.py: a batch of decoding sequences' attention in one
-native call equals the torch reference (kernels/reference.py) over the same paged cache (blocks
-out of order, a shared prefix, grouped query heads, contexts that end mid-block), and the engine
-takes it for a natively served model's batch of decodes."""
+"""engine/worker/quantized/decode_attention.c (the attention of native_decode's layers): a batch of
+decoding sequences' attention in one native call equals the torch reference (kernels/reference.py)
+over the same paged cache (blocks out of order, a shared prefix, grouped query heads, contexts that
+end mid-block)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import kernels
-from engine import LLM, SamplingParams
 from engine.worker.models.llama import layer_kv
-from engine.worker.quantized.decode_attention import DecodeAttention
+from engine.worker.quantized import native
 from kernels import reference
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seqused_k: torch.Tensor, num_kv_heads: int, scale: float) -> torch.Tensor:
+    """decode_attention.c's entry: q `[seqs, heads, dim]` (heads contiguous), a layer's caches as
+    layer_kv gives them, int32 block table and contexts: the output `[seqs, heads, dim]`."""
+    seqs, heads, dim = q.shape
+    assert q.stride(2) == 1 and q.stride(1) == dim and block_table.stride(1) == 1
+    out = torch.empty(seqs, heads, dim)
+    native.library().decode_attention(q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), k_cache.data_ptr(),
+                                      v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+                                      seqused_k.data_ptr(), seqs, heads, num_kv_heads, dim, k_cache.shape[1],
+                                      k_cache.stride(0), scale)
+    return out
 
 
 @pytest.mark.parametrize("heads, kv_heads, block_size", [(6, 2, 4), (4, 4, 16), (9, 3, 16)])
@@ -33,37 +45,8 @@ def test_a_batch_of_decodes_attends_as_the_reference_does(heads, kv_heads, block
     qkv = torch.randn(len(contexts), (heads + 2 * kv_heads) * dim, generator=generator)
     q = qkv[:, :heads * dim].view(-1, heads, dim)
     scale = dim ** -0.5
-    attention = DecodeAttention.of(heads, kv_heads, dim, scale)
-    assert attention is not None
-    ours = attention(q, k_cache, v_cache, table, seqused_k)
+    ours = decode_attention(q, k_cache, v_cache, table, seqused_k, kv_heads, scale)
     expected = reference.paged_attention(q, k_cache, v_cache, torch.arange(len(contexts) + 1, dtype=torch.int32),
                                          seqused_k, table, scale)
     assert ours.shape == (len(contexts), heads, dim)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_the_engine_takes_it_for_a_batch_of_decodes_and_greedy_replies_are_unchanged(embedded_gguf, monkeypatch):
-    """The embedded SmolLM2 Q4_1 served natively: three chats decoding together go through the native
-    attention, and their greedy replies are the torch attention's, token for token."""
-    llm = LLM(embedded_gguf, quantization="native", num_gpu_blocks=128, num_cpu_blocks=8, compile_decode=False)
-    model = llm.engine.core.runner.model
-    assert isinstance(model.decode_attention, DecodeAttention)
-    assert all(layer.input_norm.native is not None for layer in model.layers)  # RMSNorm.native
-    calls = []
-    native_call = DecodeAttention.__call__
-    monkeypatch.setattr(DecodeAttention, "__call__", lambda self, q, *rest: calls.append(q.shape[0]) or native_call(self, q, *rest))
-    plans = []
-    plan_attention = kernels.plan_attention
-    monkeypatch.setattr(kernels, "plan_attention", lambda **kw: plans.append(kw["q_lens"]) or plan_attention(**kw))
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers."]
-    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert calls and max(calls) == 3  # a layer's call per step of the three decoding together
-    assert plans and all(max(q_lens) > 1 for q_lens in plans)  # only prompt steps planned torch's attention
-    assert model.attends_natively(3, 3) and not model.attends_natively(4, 3)
-    native, model.decode_attention = model.decode_attention, None
-    try:
-        torch_attention = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    finally:
-        model.decode_attention = native
-    assert ours == torch_attention and all(len(t) == 16 for t in ours)

@@ -135,13 +135,15 @@ class ModelRunner:
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in table_rows], dtype=torch.int32)
         block_table = block_table.to(device, non_blocking=True)
         slot_mapping = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
+        # A step the model decodes natively reads and writes the paged cache itself: no store index, no plan.
+        native = self.model.decodes_natively(len(input_ids), len(k_lens))
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
-            slot_index=kernels.slot_index(slot_mapping, self.block_size, self.kv_cache),
+            slot_index=None if native else kernels.slot_index(slot_mapping, self.block_size, self.kv_cache),
             cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
             seqused_k=torch.tensor(k_lens, dtype=torch.int32).to(device, non_blocking=True),
             block_table=block_table)
-        if not self.model.attends_natively(len(input_ids), len(k_lens)):
+        if not native:
             meta.plan = kernels.plan_attention(
                 q_lens=[b - a for a, b in zip(cu_q, cu_q[1:])], k_lens=k_lens, num_heads=shape.num_heads,
                 kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, cache=self.kv_cache, block_table=block_table,

@@ -5,11 +5,11 @@ their positions; attention writes each token's K/V into the paged cache and read
 request's context back through its block table (kernels.paged_attention). Logits are computed
 only for the rows that sample. The layers' maths is models/layers/'s, shared with the compiled
 decode steps; weights come from the model's checkpoint (models/weights.py), q/k/v and gate/up
-projections fused into one matmul each. A step of one token on a model whose layer matrices are
-all kept quantized (a GGUF file served natively, float32 on a CPU) runs its layers in one native
-call instead (engine/worker/quantized/lone_decode.py), the same arithmetic in C; on such a model a
-batch of decodes (every sequence one token) takes its attention from one native call per layer
-(engine/worker/quantized/decode_attention.py), and every step its norms (RMSNorm.native).
+projections fused into one matmul each. On a model whose layer matrices are all kept quantized (a
+GGUF file served natively, float32 on a CPU), a step whose every sequence computes one token (a
+lone chat's, a batch of decodes) runs its layers in one native call instead
+(engine/worker/quantized/native_decode.py), the same arithmetic in C, and every other step takes
+its norms from native code (RMSNorm.native).
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ from engine.worker.models.layers.rotary import RotaryTable, rotate
 from engine.worker.models.layers.shape import DecoderShape
 from engine.worker.models.weights import DecoderWeights, Weight
 from engine.worker.quantized import native
-from engine.worker.quantized.decode_attention import DecodeAttention
-from engine.worker.quantized.lone_decode import LoneDecode
+from engine.worker.quantized.native_decode import NativeDecode
 from engine.worker.quantized.matrix import QuantizedMatrix
 
 
@@ -82,12 +81,9 @@ class LlamaModel:
             [linear for layer in self.layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             + [self.lm_head])
         self.rotary = RotaryTable(checkpoint, dtype, device)
-        # A lone token's layers in one native call, where every layer matrix is kept quantized.
-        self.lone_decode = LoneDecode.of(self) if self.quantized else None
-        # ... and a batch of decodes' attention in one native call per layer, for the same models.
-        self.decode_attention = (DecodeAttention.of(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.scale)
-                                 if self.lone_decode is not None else None)
-        if self.lone_decode is not None:  # ... and the norms (see RMSNorm.native)
+        # A batch of decoding tokens' layers in one native call, where every layer matrix is kept quantized.
+        self.native_decode = NativeDecode.of(self) if self.quantized else None
+        if self.native_decode is not None:  # ... and the other steps' norms (see RMSNorm.native)
             lib = native.library()
             for norm in [self.norm, *(n for layer in self.layers for n in (layer.input_norm, layer.post_norm))]:
                 norm.native = lib
@@ -110,17 +106,11 @@ class LlamaModel:
         shape = self.shape
         return (num_blocks, shape.num_layers, 2, shape.num_kv_heads, block_size, shape.head_dim)
 
-    def runs_lone_natively(self, num_tokens: int) -> bool:
-        """Whether a step of `num_tokens` tokens runs its layers in `lone_decode` (which reads the
-        paged cache itself: the step needs no attention plan)."""
-        return self.lone_decode is not None and num_tokens == 1
-
-    def attends_natively(self, num_tokens: int, num_seqs: int) -> bool:
-        """Whether a step of `num_tokens` tokens over `num_seqs` sequences reads the paged cache in
-        native code only (the lone step's layers, or a batch of decodes' `decode_attention`: every
-        sequence computes at least one token, so one each when the two are equal): the step then
-        needs no attention plan."""
-        return self.runs_lone_natively(num_tokens) or (self.decode_attention is not None and num_tokens == num_seqs)
+    def decodes_natively(self, num_tokens: int, num_seqs: int) -> bool:
+        """Whether a step of `num_tokens` tokens over `num_seqs` sequences runs its layers in
+        `native_decode`: every sequence computes at least one token, so one each when the two are
+        equal. Such a step reads the paged cache in native code only: it needs no attention plan."""
+        return self.native_decode is not None and num_tokens == num_seqs
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -134,13 +124,11 @@ class LlamaModel:
             hidden = self.embed.rows(input_ids).to(self.dtype)
         else:
             hidden = F.embedding(input_ids, self.embed)
-        if self.runs_lone_natively(input_ids.shape[0]):
-            hidden = self.lone_decode(hidden, cos_sin[0], kv_cache, int(meta.slot_mapping[0]), meta.block_table[0],
-                                      int(meta.seqused_k[0]))
+        if self.decodes_natively(input_ids.shape[0], meta.seqused_k.shape[0]):
+            hidden = self.native_decode(hidden, cos_sin, kv_cache, meta.slot_mapping, meta.block_table, meta.seqused_k)
             return self.lm_head(self.norm(hidden[logits_indices])).float()
         shape = self.shape
         q_size, kv_size, dim = shape.q_size, shape.kv_size, shape.head_dim
-        native_attention = self.attends_natively(input_ids.shape[0], meta.seqused_k.shape[0])
         for layer, (k_cache, v_cache) in zip(self.layers, self._layer_views(kv_cache)):
             qkv = layer.qkv(layer.input_norm(hidden))
             # q and k rotate together and in place: one set of small ops per layer instead of
@@ -151,11 +139,8 @@ class LlamaModel:
             k = qkv[:, q_size:q_size + kv_size].view(-1, shape.num_kv_heads, dim)
             v = qkv[:, q_size + kv_size:].view(-1, shape.num_kv_heads, dim)
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.slot_index)
-            if native_attention:
-                attn = self.decode_attention(q, k_cache, v_cache, meta.block_table, meta.seqused_k)
-            else:
-                attn = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
-                                               meta.block_table, shape.scale, attention_plan=meta.plan)
+            attn = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
+                                           meta.block_table, shape.scale, attention_plan=meta.plan)
             hidden = hidden + layer.o_proj(attn.reshape(-1, q_size))
             gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, dim=-1)
             hidden = hidden + layer.down(silu_and_mul(gate, up))

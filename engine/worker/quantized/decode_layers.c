@@ -1,12 +1,14 @@
-/* One token through every decoder layer of a Llama-family model whose weight matrices are kept
-   quantized (qmatmul.c), in float32, in one call and one parallel region: the step of a lone
-   chat, where eager torch spends as long between the weight matmuls as in them (~10 small ops a
-   layer at a few microseconds of dispatch each, and a Python call per matmul).
+/* A batch of decoding tokens (one new token for each of `rows` sequences: a lone chat's step, or a
+   busy server's batch of decodes) through every decoder layer of a Llama-family model whose
+   weight matrices are kept quantized (qmatmul.c), in float32, in one call and one parallel region.
+   Eager torch spent as long between the weight matmuls as in them for a lone chat (~10 small ops
+   a layer at a few microseconds of dispatch each, and a Python call per matmul), and ~19% of a
+   32-chat step of the embedded SmolLM2 (rotary, the cache store, residuals, silu-and-mul, norms).
 
-   Per layer, as engine/worker/models/llama.py's forward computes it:
+   Per layer, as engine/worker/models/llama.py's forward computes it, for each row:
      x  = rms_norm(h) * input_norm;  qkv = x @ Wqkv.T (+ bias)
      q, k rotated (rotate-half, cos and signed sin of the token's position); k, v stored in the
-     paged cache at the token's slot; each query head attends over the sequence's keys
+     paged cache at the token's slot; each query head attends over its sequence's keys
      (grouped: head i reads kv head i / (heads / kv_heads)) through its block table
      h += attn @ Wo.T;  x = rms_norm(h) * post_norm;  [g, u] = x @ Wgu.T;  h += (silu(g) * u) @ Wd.T
    The sums run in another order than torch's, so results agree to float32 rounding, not bits.
@@ -31,13 +33,16 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, ffn, levels;
     float eps, scale;
     int64_t block_size, block_stride;
-    const float *cos_sin;          /* [2, head_dim]: cos, then signed sin ([-sin, sin] by halves) */
-    int64_t slot;                  /* the token's cache slot: block * block_size + offset */
-    const int32_t *block_table;    /* the sequence's blocks */
-    int64_t context;               /* keys after this token's (its position + 1) */
-    Scratch scratch;               /* for the widest row: max(hidden, q heads' size, ffn) */
-    /* each with LANES floats of room past its end for a part's padding */
+    int64_t rows;                  /* tokens, one per sequence */
+    const float *cos_sin;          /* [rows, 2, head_dim]: cos, then signed sin ([-sin, sin] by halves) */
+    const int64_t *slots;          /* [rows]: each token's cache slot, block * block_size + offset */
+    const int32_t *block_tables;   /* [rows, table_stride]: each sequence's blocks */
+    int64_t table_stride;
+    const int32_t *contexts;       /* [rows]: each sequence's keys, its token's included */
+    Scratch scratch;               /* for rows x the widest row: max(hidden, q heads' size, ffn) */
+    /* [rows, stride] each, the stride its width plus LANES floats of room for a part's padding */
     float *x, *qkv, *attn, *delta, *gate_up;
+    int64_t x_stride, qkv_stride, attn_stride, delta_stride, gate_up_stride;
 } Step;
 
 static void rms_norm(const float *h, const float *weight, int64_t n, float eps, float *out) {
@@ -61,52 +66,65 @@ static void rotate(float *x, const float *cos_sin, int64_t dim) {
     for (int64_t i = 0; i < dim; i++) x[i] = x[i] * cos_sin[i] + swapped[i] * cos_sin[dim + i];
 }
 
-/* Inside the parallel region: every thread runs this, the matmuls and heads shared among them. */
+/* Inside the parallel region: every thread runs this, the rows, matmuls and heads shared among
+   them; each `omp for` and `omp single` ends at a barrier. */
 static void layer_in_region(float *h, const Layer *l, const Step *s) {
-    const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
-    #pragma omp single
-    rms_norm(h, l->input_norm, s->hidden, s->eps, s->x);  /* ends at a barrier, as every single */
-    qlinear_in_region(s->x, 1, s->hidden, s->hidden, s->levels, &s->scratch, l->qkv, l->qkv_parts,
-                      s->qkv, 0);
-    #pragma omp single
-    {
+    const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim, rows = s->rows;
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) rms_norm(h + r * s->hidden, l->input_norm, s->hidden, s->eps, s->x + r * s->x_stride);
+    qlinear_in_region(s->x, rows, s->x_stride, s->hidden, s->levels, &s->scratch, l->qkv, l->qkv_parts,
+                      s->qkv, s->qkv_stride);
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *qkv = s->qkv + r * s->qkv_stride;
         if (l->qkv_bias)
-            for (int64_t i = 0; i < q_size + 2 * kv_size; i++) s->qkv[i] += l->qkv_bias[i];
+            for (int64_t i = 0; i < q_size + 2 * kv_size; i++) qkv[i] += l->qkv_bias[i];
         for (int64_t head = 0; head < s->heads + s->kv_heads; head++)  /* q's heads, then k's */
-            rotate(s->qkv + head * s->head_dim, s->cos_sin, s->head_dim);
-        const int64_t block = s->slot / s->block_size, offset = s->slot % s->block_size;
+            rotate(qkv + head * s->head_dim, s->cos_sin + r * 2 * s->head_dim, s->head_dim);
+        const int64_t block = s->slots[r] / s->block_size, offset = s->slots[r] % s->block_size;
         for (int64_t j = 0; j < s->kv_heads; j++) {
             const int64_t at = block * s->block_stride + (j * s->block_size + offset) * s->head_dim;
-            memcpy(l->k_cache + at, s->qkv + q_size + j * s->head_dim, s->head_dim * sizeof(float));
-            memcpy(l->v_cache + at, s->qkv + q_size + kv_size + j * s->head_dim, s->head_dim * sizeof(float));
+            memcpy(l->k_cache + at, qkv + q_size + j * s->head_dim, s->head_dim * sizeof(float));
+            memcpy(l->v_cache + at, qkv + q_size + kv_size + j * s->head_dim, s->head_dim * sizeof(float));
         }
     }
+    /* A lone token's heads one at a time (9 query heads share 2 threads better than 3 kv heads);
+       a batch's by kv head, its query heads together (the keys read once for the group). */
+    const int64_t rep = rows == 1 ? 1 : s->heads / s->kv_heads, units = s->heads / rep;
+    #pragma omp for collapse(2) schedule(dynamic)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t u = 0; u < units; u++)
+            attend_kv_head(s->qkv + r * s->qkv_stride + u * rep * s->head_dim, rep, l->k_cache, l->v_cache,
+                           s->block_tables + r * s->table_stride, s->contexts[r], u * rep / (s->heads / s->kv_heads),
+                           s->head_dim, s->block_size, s->block_stride, s->scale,
+                           s->attn + r * s->attn_stride + u * rep * s->head_dim);
+    qlinear_in_region(s->attn, rows, s->attn_stride, q_size, s->levels, &s->scratch, l->o, l->o_parts,
+                      s->delta, s->delta_stride);
     #pragma omp for schedule(static)
-    for (int64_t head = 0; head < s->heads; head++)  /* a head at a time: 9 heads share 2 threads better than 3 kv heads */
-        attend_kv_head(s->qkv + head * s->head_dim, 1, l->k_cache, l->v_cache, s->block_table, s->context,
-                       head / (s->heads / s->kv_heads), s->head_dim, s->block_size, s->block_stride, s->scale,
-                       s->attn + head * s->head_dim);
-    qlinear_in_region(s->attn, 1, q_size, q_size, s->levels, &s->scratch, l->o, l->o_parts, s->delta, 0);
-    #pragma omp single
-    {
-        for (int64_t i = 0; i < s->hidden; i++) h[i] += s->delta[i];
-        rms_norm(h, l->post_norm, s->hidden, s->eps, s->x);
+    for (int64_t r = 0; r < rows; r++) {
+        float *hr = h + r * s->hidden;
+        const float *delta = s->delta + r * s->delta_stride;
+        for (int64_t i = 0; i < s->hidden; i++) hr[i] += delta[i];
+        rms_norm(hr, l->post_norm, s->hidden, s->eps, s->x + r * s->x_stride);
     }
-    qlinear_in_region(s->x, 1, s->hidden, s->hidden, s->levels, &s->scratch, l->gate_up,
-                      l->gate_up_parts, s->gate_up, 0);
+    qlinear_in_region(s->x, rows, s->x_stride, s->hidden, s->levels, &s->scratch, l->gate_up,
+                      l->gate_up_parts, s->gate_up, s->gate_up_stride);
+    #pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < s->ffn; i++) {
+            float *gu = s->gate_up + r * s->gate_up_stride;
+            const float g = gu[i];
+            gu[i] = g / (1.0f + expf(-g)) * gu[s->ffn + i];
+        }
+    qlinear_in_region(s->gate_up, rows, s->gate_up_stride, s->ffn, s->levels, &s->scratch, l->down, l->down_parts,
+                      s->delta, s->delta_stride);
     #pragma omp for schedule(static)
-    for (int64_t i = 0; i < s->ffn; i++) {
-        const float g = s->gate_up[i];
-        s->gate_up[i] = g / (1.0f + expf(-g)) * s->gate_up[s->ffn + i];
-    }
-    qlinear_in_region(s->gate_up, 1, s->ffn, s->ffn, s->levels, &s->scratch, l->down, l->down_parts,
-                      s->delta, 0);
-    #pragma omp single
-    for (int64_t i = 0; i < s->hidden; i++) h[i] += s->delta[i];
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < s->hidden; i++) h[r * s->hidden + i] += s->delta[r * s->delta_stride + i];
 }
 
-/* h [hidden], the token's embedding, becomes its hidden state after the last layer (before the
-   final norm); every layer's K and V of the token are written into the cache. */
+/* h [rows, hidden], the tokens' embeddings, becomes their hidden states after the last layer
+   (before the final norm); every layer's K and V of the tokens are written into the cache. */
 void decode_layers(float *h, const Layer *layers, int64_t num_layers, const Step *s) {
     #pragma omp parallel
     for (int64_t i = 0; i < num_layers; i++) layer_in_region(h, &layers[i], s);

@@ -1,5 +1,5 @@
 """The quantized matmul's C loops (qmatmul.c, qmatmul_batch.c), the decoding sequences' attention
-(decode_attention.c) and the lone-token decoder layers built on them (decode_layers.c), compiled
+(decode_attention.c) and the decoding tokens' layers built on them (decode_layers.c), compiled
 once per machine into one library and loaded with ctypes.
 
 The library is built with the system's C compiler for this CPU's instructions (`-march=native`)

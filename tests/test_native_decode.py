@@ -1,0 +1,164 @@
+"""engine/worker/quantized/native_decode.py: a batch of decoding tokens (a lone chat's, several
+chats') through every layer in one native call computes what the eager forward computes over the
+same quantized weights, reading and writing the same paged cache; the engine takes it for every
+step whose sequences each compute one token; models it cannot serve keep the eager forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf.quants import quantize
+
+import kernels
+from engine import LLM, SamplingParams
+from engine.worker.gguf_file import load_model
+from engine.worker.models.llama import AttentionMetadata, LlamaModel
+from engine.worker.quantized.native_decode import NativeDecode
+from tests.test_gguf_file import T, tiny_llama_tensors, write_gguf
+
+BLOCK_SIZE = 4
+# Every layer matrix kept quantized, in three formats (the tiny model's rows are 64 or 128 wide:
+# too short for the K-quants' 256).
+FORMATS = {"attn_q": T.Q8_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0, "attn_output": T.Q4_0, "ffn_gate": T.Q4_1,
+           "ffn_up": T.Q4_1, "ffn_down": T.Q8_0}
+
+
+@pytest.fixture(scope="module")
+def all_quantized_gguf(tmp_path_factory, tiny_hf) -> str:
+    tensors = []
+    for name, array, qtype in tiny_llama_tensors(tiny_hf):
+        kind = name.split(".")[-2]
+        if kind in FORMATS:
+            dense = array if qtype == T.F32 else None
+            if dense is None:  # tiny_llama_tensors quantized it to Q8_0: take the HF weights' float copy back
+                from gguf.quants import dequantize
+                dense = dequantize(array, qtype)
+            array, qtype = quantize(dense, FORMATS[kind]), FORMATS[kind]
+        tensors.append((name, array, qtype))
+    return write_gguf(tmp_path_factory.mktemp("lone") / "tiny-all-quantized.gguf", "llama", tensors, file_type=7)
+
+
+def native_model(path: str, config) -> LlamaModel:
+    return LlamaModel(load_model(path, config, torch.float32, quantized=True), torch.float32, torch.device("cpu"))
+
+
+def dequantized_model(path: str, config) -> LlamaModel:
+    return LlamaModel(load_model(path, config, torch.float32), torch.float32, torch.device("cpu"))
+
+
+def decode_logits(model: LlamaModel, sequences: list[list[int]], prompts: list[int],
+                  native: NativeDecode | None) -> torch.Tensor:
+    """Logits `[steps, sequences, vocab]` of each sequence's tokens after its prompt (its first
+    `prompts[i]`, prefilled alone), the sequences decoding together one token each a step, over a
+    paged cache whose blocks are out of order, with `native` as the model's native decode."""
+    model.native_decode = native
+    counts = [-(-len(ids) // BLOCK_SIZE) for ids in sequences]
+    order = torch.randperm(2 * sum(counts) + 1, generator=torch.Generator().manual_seed(1)).int()
+    cache = torch.zeros(model.kv_cache_shape(len(order), BLOCK_SIZE))
+    table = torch.zeros(len(sequences), max(counts), dtype=torch.int32)
+    for i, count in enumerate(counts):
+        table[i, :count] = order[sum(counts[:i]):sum(counts[:i]) + count]
+    model.rotary.ensure(max(map(len, sequences)))
+
+    def step(rows: list[int], spans: list[tuple[int, int]]) -> torch.Tensor:
+        ids, positions, slots, cu, lens = [], [], [], [0], []
+        for row, (start, end) in zip(rows, spans):
+            ids += sequences[row][start:end]
+            positions += range(start, end)
+            slots += [int(table[row, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
+            cu.append(cu[-1] + end - start)
+            lens.append(end)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+                                 seqused_k=torch.tensor(lens, dtype=torch.int32), block_table=table[rows])
+        return model.forward(torch.tensor(ids), torch.tensor(positions), cache, meta, torch.tensor(cu[1:]) - 1)
+
+    for row, prompt in enumerate(prompts):
+        step([row], [(0, prompt)])
+    steps = len(sequences[0]) - prompts[0]
+    assert all(len(ids) - prompt == steps for ids, prompt in zip(sequences, prompts))
+    rows = list(range(len(sequences)))
+    return torch.stack([step(rows, [(p + t, p + t + 1) for p in prompts]) for t in range(steps)])
+
+
+def random_ids(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("prompts", [[7], [7, 3, 12, 5], [3 + i % 6 for i in range(17)]], ids=["a lone chat", "4 chats", "17 chats"])
+def test_decoding_tokens_through_the_native_layers_are_the_eager_forward(all_quantized_gguf, tiny_hf, prompts):
+    """One sequence (qmatmul.c's few-row loops, a head at a time), a few, and 17 (from 16 rows the
+    matmuls take qmatmul_batch.c's loops) of different lengths, blocks out of order."""
+    model = native_model(all_quantized_gguf, tiny_hf.config)
+    native = model.native_decode
+    assert isinstance(native, NativeDecode)
+    assert model.decodes_natively(1, 1) and model.decodes_natively(3, 3) and not model.decodes_natively(4, 3)
+    sequences = random_ids([p + 26 for p in prompts], tiny_hf.config.vocab_size)
+    ours, eager = decode_logits(model, sequences, prompts, native), decode_logits(model, sequences, prompts, None)
+    assert ours.shape == (26, len(prompts), tiny_hf.config.vocab_size)
+    assert torch.equal(ours.argmax(-1), eager.argmax(-1))
+    # Both paths round the activations (two int8 levels, or one int16 level from 16 rows) before each
+    # matmul, and a float summed in another order can round to the other side: so each is held to
+    # the file's dequantized weights (the exact product), and the native path must be as close to
+    # them as eager is.
+    exact = decode_logits(dequantized_model(all_quantized_gguf, tiny_hf.config), sequences, prompts, None)
+    ours_error, eager_error = float((ours - exact).abs().max()), float((eager - exact).abs().max())
+    assert ours_error < 1e-3 * float(exact.abs().max()) and ours_error < 2 * eager_error
+
+
+def test_a_qkv_bias_is_added_before_the_rotation(all_quantized_gguf, tiny_hf):
+    """Qwen2's q/k/v projections have a bias."""
+    model = native_model(all_quantized_gguf, tiny_hf.config)
+    generator = torch.Generator().manual_seed(3)
+    for layer in model.layers:
+        layer.qkv.bias = 0.5 * torch.randn(layer.qkv.out_features, generator=generator)
+    native = NativeDecode.of(model)  # takes the biases as it is made
+    sequences, prompts = random_ids([24, 22], tiny_hf.config.vocab_size, seed=3), [5, 3]
+    ours, eager = decode_logits(model, sequences, prompts, native), decode_logits(model, sequences, prompts, None)
+    without_bias = decode_logits(native_model(all_quantized_gguf, tiny_hf.config), sequences, prompts, None)
+    assert torch.equal(ours.argmax(-1), eager.argmax(-1))
+    assert float((ours - eager).abs().max()) < 1e-3 * float(eager.abs().max())
+    assert float((ours - without_bias).abs().max()) > 0.05 * float(eager.abs().max())  # the bias counted
+
+
+def test_models_it_cannot_serve_keep_the_eager_forward(all_quantized_gguf, tiny_hf, tmp_path):
+    # q/k/v kept dense: not every layer matrix is quantized
+    partly = write_gguf(tmp_path / "partly.gguf", "llama", tiny_llama_tensors(tiny_hf), file_type=7)
+    assert native_model(partly, tiny_hf.config).native_decode is None
+    dequantized = dequantized_model(all_quantized_gguf, tiny_hf.config)
+    assert dequantized.native_decode is None and not dequantized.decodes_natively(1, 1)
+    in_bf16 = LlamaModel(load_model(all_quantized_gguf, tiny_hf.config, torch.bfloat16, quantized=True),
+                         torch.bfloat16, torch.device("cpu"))
+    assert in_bf16.native_decode is None
+
+
+def test_the_engine_decodes_natively_and_greedy_replies_match_the_eager_forward(embedded_gguf, monkeypatch):
+    """The embedded SmolLM2 Q4_1 through the engine: a lone chat's steps and three chats decoding
+    together take the native layers (only prompt steps plan torch's attention), and the greedy
+    replies are the eager forward's, token for token."""
+    llm = LLM(embedded_gguf, quantization="native", num_gpu_blocks=128, num_cpu_blocks=8, compile_decode=False)
+    model = llm.engine.core.runner.model
+    assert isinstance(model.native_decode, NativeDecode)
+    assert all(layer.input_norm.native is not None for layer in model.layers)  # RMSNorm.native, for prompt steps
+    rows = []
+    native_call = NativeDecode.__call__
+    monkeypatch.setattr(NativeDecode, "__call__", lambda self, hidden, *rest: rows.append(hidden.shape[0])
+                        or native_call(self, hidden, *rest))
+    plans = []
+    plan_attention = kernels.plan_attention
+    monkeypatch.setattr(kernels, "plan_attention", lambda **kw: plans.append(kw["q_lens"]) or plan_attention(**kw))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers."]
+
+    def replies() -> list[list[int]]:
+        alone = llm.generate(prompts[:1], params)[0].outputs[0].token_ids
+        return [alone] + [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    ours = replies()
+    assert 1 in rows and 3 in rows  # the lone chat's steps, then the three's
+    assert plans and all(max(q_lens) > 1 for q_lens in plans)  # only prompt steps planned torch's attention
+    native, model.native_decode = model.native_decode, None
+    try:
+        eager = replies()
+    finally:
+        model.native_decode = native
+    assert ours == eager and all(len(t) == 16 for t in ours)
