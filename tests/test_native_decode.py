@@ -46,10 +46,12 @@ def dequantized_model(path: str, config) -> LlamaModel:
 
 
 def decode_logits(model: LlamaModel, sequences: list[list[int]], prompts: list[int],
-                  native: NativeDecode | None) -> torch.Tensor:
+                  native: NativeDecode | None, shared: int = 0) -> torch.Tensor:
     """Logits `[steps, sequences, vocab]` of each sequence's tokens after its prompt (its first
     `prompts[i]`, prefilled alone), the sequences decoding together one token each a step, over a
-    paged cache whose blocks are out of order, with `native` as the model's native decode."""
+    paged cache whose blocks are out of order, with `native` as the model's native decode. The
+    sequences' first `shared` blocks are the same blocks (their tokens must be alike), as the
+    prefix cache shares a common system prompt's."""
     model.native_decode = native
     counts = [-(-len(ids) // BLOCK_SIZE) for ids in sequences]
     order = torch.randperm(2 * sum(counts) + 1, generator=torch.Generator().manual_seed(1)).int()
@@ -57,6 +59,8 @@ def decode_logits(model: LlamaModel, sequences: list[list[int]], prompts: list[i
     table = torch.zeros(len(sequences), max(counts), dtype=torch.int32)
     for i, count in enumerate(counts):
         table[i, :count] = order[sum(counts[:i]):sum(counts[:i]) + count]
+        table[i, :shared] = table[0, :shared]
+        assert sequences[i][:shared * BLOCK_SIZE] == sequences[0][:shared * BLOCK_SIZE]
     model.rotary.ensure(max(map(len, sequences)))
 
     def step(rows: list[int], spans: list[tuple[int, int]]) -> torch.Tensor:
@@ -79,28 +83,35 @@ def decode_logits(model: LlamaModel, sequences: list[list[int]], prompts: list[i
     return torch.stack([step(rows, [(p + t, p + t + 1) for p in prompts]) for t in range(steps)])
 
 
-def random_ids(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+def random_ids(lengths: list[int], vocab: int, seed: int = 0, common: int = 0) -> list[list[int]]:
+    """Random token ids of these lengths, the first `common` alike in all."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+    prefix = torch.randint(0, vocab, (common,), generator=generator).tolist()
+    return [prefix + torch.randint(0, vocab, (n - common,), generator=generator).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("prompts", [[7], [7, 3, 12, 5], [3 + i % 6 for i in range(17)]], ids=["a lone chat", "4 chats", "17 chats"])
-def test_decoding_tokens_through_the_native_layers_are_the_eager_forward(all_quantized_gguf, tiny_hf, prompts):
+@pytest.mark.parametrize("prompts, shared", [([7], 0), ([7, 3, 12, 5], 0), ([3 + i % 6 for i in range(17)], 0),
+                                             ([2 * BLOCK_SIZE + 1 + i % 6 for i in range(17)], 2)],
+                         ids=["a lone chat", "4 chats", "17 chats", "17 chats sharing 2 blocks"])
+def test_decoding_tokens_through_the_native_layers_are_the_eager_forward(all_quantized_gguf, tiny_hf, prompts, shared):
     """One sequence (qmatmul.c's few-row loops, a head at a time), a few, and 17 (from 16 rows the
-    matmuls take qmatmul_batch.c's loops) of different lengths, blocks out of order."""
+    matmuls take qmatmul_batch.c's loops; two bands of rows over the shared blocks) of different
+    lengths, blocks out of order, with and without leading blocks in common."""
     model = native_model(all_quantized_gguf, tiny_hf.config)
     native = model.native_decode
     assert isinstance(native, NativeDecode)
     assert model.decodes_natively(1, 1) and model.decodes_natively(3, 3) and not model.decodes_natively(4, 3)
-    sequences = random_ids([p + 26 for p in prompts], tiny_hf.config.vocab_size)
-    ours, eager = decode_logits(model, sequences, prompts, native), decode_logits(model, sequences, prompts, None)
+    sequences = random_ids([p + 26 for p in prompts], tiny_hf.config.vocab_size, common=shared * BLOCK_SIZE)
+    ours = decode_logits(model, sequences, prompts, native, shared)
+    assert native.shared_blocks == shared  # the last step read them once for every band of rows
+    eager = decode_logits(model, sequences, prompts, None, shared)
     assert ours.shape == (26, len(prompts), tiny_hf.config.vocab_size)
     assert torch.equal(ours.argmax(-1), eager.argmax(-1))
     # Both paths round the activations (two int8 levels, or one int16 level from 16 rows) before each
     # matmul, and a float summed in another order can round to the other side: so each is held to
     # the file's dequantized weights (the exact product), and the native path must be as close to
     # them as eager is.
-    exact = decode_logits(dequantized_model(all_quantized_gguf, tiny_hf.config), sequences, prompts, None)
+    exact = decode_logits(dequantized_model(all_quantized_gguf, tiny_hf.config), sequences, prompts, None, shared)
     ours_error, eager_error = float((ours - exact).abs().max()), float((eager - exact).abs().max())
     assert ours_error < 1e-3 * float(exact.abs().max()) and ours_error < 2 * eager_error
 

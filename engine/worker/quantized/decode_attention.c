@@ -115,16 +115,26 @@ static inline void add_weighted(float *o, const float *v, const float *weights, 
         for (int64_t c = i; c < dim; c++) o[c] += weights[t] * v[t * dim + c];
 }
 
-void attend_kv_head(const float *q, int64_t rep, const float *k_cache, const float *v_cache,
-                    const int32_t *block_table, int64_t context, int64_t kv_head, int64_t dim,
-                    int64_t block_size, int64_t block_stride, float scale, float *out) {
-    float top[rep], total[rep], scores[block_size + 8], weights[block_size + 8];
+/* The online softmax's state of `rep` query heads: top (the largest score so far), total (the sum
+   of e^(score - top)) and out (the values weighted alike, [rep, dim]); set empty, or divided out. */
+void attend_start(int64_t rep, int64_t dim, float *top, float *total, float *out) {
     for (int64_t r = 0; r < rep; r++) {
         top[r] = -INFINITY;
         total[r] = 0.0f;
         memset(out + r * dim, 0, dim * sizeof(float));
     }
-    for (int64_t start = 0; start < context; start += block_size) {
+}
+
+void attend_finish(int64_t rep, int64_t dim, const float *total, float *out) {
+    for (int64_t r = 0; r < rep; r++)
+        for (int64_t i = 0; i < dim; i++) out[r * dim + i] /= total[r];
+}
+
+void attend_blocks(const float *q, int64_t rep, const float *k_cache, const float *v_cache,
+                   const int32_t *block_table, int64_t first_block, int64_t context, int64_t kv_head, int64_t dim,
+                   int64_t block_size, int64_t block_stride, float scale, float *top, float *total, float *out) {
+    float scores[block_size + 8], weights[block_size + 8];
+    for (int64_t start = first_block * block_size; start < context; start += block_size) {
         const int64_t n = context - start < block_size ? context - start : block_size;
         const int64_t at = block_table[start / block_size] * block_stride + kv_head * block_size * dim;
         const float *k = k_cache + at, *v = v_cache + at;
@@ -141,8 +151,16 @@ void attend_kv_head(const float *q, int64_t rep, const float *k_cache, const flo
             add_weighted(o, v, weights, n, dim);
         }
     }
-    for (int64_t r = 0; r < rep; r++)
-        for (int64_t i = 0; i < dim; i++) out[r * dim + i] /= total[r];
+}
+
+void attend_kv_head(const float *q, int64_t rep, const float *k_cache, const float *v_cache,
+                    const int32_t *block_table, int64_t context, int64_t kv_head, int64_t dim,
+                    int64_t block_size, int64_t block_stride, float scale, float *out) {
+    float top[rep], total[rep];
+    attend_start(rep, dim, top, total, out);
+    attend_blocks(q, rep, k_cache, v_cache, block_table, 0, context, kv_head, dim, block_size, block_stride, scale,
+                  top, total, out);
+    attend_finish(rep, dim, total, out);
 }
 
 /* Sequence s's query heads (q + s * q_stride, heads x dim) over its contexts[s] keys through its

@@ -38,7 +38,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("ffn", _I), ("levels", _I),
                 ("eps", _F), ("scale", _F), ("block_size", _I), ("block_stride", _I), ("rows", _I), ("cos_sin", _P),
                 ("slots", _P), ("block_tables", _P), ("table_stride", _I), ("contexts", _P),
-                ("scratch", native.Scratch), ("x", _P), ("qkv", _P), ("attn", _P), ("delta", _P), ("gate_up", _P),
+                ("shared_blocks", _I), ("softmax", _P), ("scratch", native.Scratch), ("x", _P), ("qkv", _P), ("attn", _P), ("delta", _P), ("gate_up", _P),
                 ("x_stride", _I), ("qkv_stride", _I), ("attn_stride", _I), ("delta_stride", _I),
                 ("gate_up_stride", _I)]
 
@@ -85,6 +85,9 @@ class NativeDecode:
         scratch = Scratch(LEVELS, rows, self._widest)
         step.scratch = scratch.struct
         kept.append(scratch)
+        softmax = torch.empty(rows, 2 * self.model.shape.num_heads)
+        step.softmax = softmax.data_ptr()
+        kept.append(softmax)
         for name, width in self._widths.items():
             buffer = torch.empty(rows, width + LANES)  # a part's last block writes up to LANES columns past its end
             setattr(step, name, buffer.data_ptr())
@@ -113,6 +116,12 @@ class NativeDecode:
             self._step.block_stride = kv_cache.stride(0)
             self._layers = (kv_cache, array)
         return self._layers[1]
+
+    @property
+    def shared_blocks(self) -> int:
+        """The leading blocks the last step's sequences all held alike (a shared prompt's), whose
+        K and V it read once for every 16 of them rather than once per sequence."""
+        return self._step.shared_blocks
 
     def __call__(self, hidden: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                  block_table: torch.Tensor, contexts: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,14 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 void attend_kv_head(const float *q, int64_t rep, const float *k_cache, const float *v_cache,
                     const int32_t *block_table, int64_t context, int64_t kv_head, int64_t dim,
                     int64_t block_size, int64_t block_stride, float scale, float *out);
+/* The same in parts, the softmax's running state (top, total [rep]; out) kept by the caller between
+   them: attend_start empties it, attend_blocks takes the keys from block `first_block` up to
+   `context`, attend_finish divides out the total. */
+void attend_start(int64_t rep, int64_t dim, float *top, float *total, float *out);
+void attend_blocks(const float *q, int64_t rep, const float *k_cache, const float *v_cache,
+                   const int32_t *block_table, int64_t first_block, int64_t context, int64_t kv_head, int64_t dim,
+                   int64_t block_size, int64_t block_stride, float scale, float *top, float *total, float *out);
+void attend_finish(int64_t rep, int64_t dim, const float *total, float *out);
 
 /* qmatmul_batch.c: the same product for a batch of rows, x carried in int16 (two levels' precision);
    returns 0, doing nothing, where it has no loops for this CPU. */
