@@ -110,7 +110,7 @@ class LlamaModel:
         """Whether a step of `num_tokens` tokens over `num_seqs` sequences runs its layers in
         `native_decode`: every sequence computes at least one token, so one each when the two are
         equal. Such a step reads the paged cache in native code only: it needs no attention plan."""
-        return self.native_decode is not None and num_tokens == num_seqs
+        return self.native_decode is not None and 0 < num_tokens == num_seqs
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

@@ -38,9 +38,9 @@ class _Step(ctypes.Structure):
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("ffn", _I), ("levels", _I),
                 ("eps", _F), ("scale", _F), ("block_size", _I), ("block_stride", _I), ("rows", _I), ("cos_sin", _P),
                 ("slots", _P), ("block_tables", _P), ("table_stride", _I), ("contexts", _P),
-                ("shared_blocks", _I), ("softmax", _P), ("scratch", native.Scratch), ("x", _P), ("qkv", _P), ("attn", _P), ("delta", _P), ("gate_up", _P),
-                ("x_stride", _I), ("qkv_stride", _I), ("attn_stride", _I), ("delta_stride", _I),
-                ("gate_up_stride", _I)]
+                ("shared_blocks", _I), ("softmax", _P), ("scratch", native.Scratch),
+                ("x", _P), ("qkv", _P), ("attn", _P), ("delta", _P), ("gate_up", _P),
+                ("x_stride", _I), ("qkv_stride", _I), ("attn_stride", _I), ("delta_stride", _I), ("gate_up_stride", _I)]
 
 
 class NativeDecode:
