@@ -165,7 +165,9 @@ void attend_kv_head(const float *q, int64_t rep, const float *k_cache, const flo
 
 /* Sequence s's query heads (q + s * q_stride, heads x dim) over its contexts[s] keys through its
    block table (block_tables + s * table_stride), into out + s * out_stride; grouped query heads:
-   head h reads kv head h / (heads / kv_heads). */
+   head h reads kv head h / (heads / kv_heads). The engine's layers (decode_layers.c) call the
+   functions above themselves, inside their own parallel region; this entry, with its own region,
+   is how tests/test_decode_attention.py holds the kernel to kernels/reference.py. */
 void decode_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride, const float *k_cache,
                       const float *v_cache, const int32_t *block_tables, int64_t table_stride, const int32_t *contexts,
                       int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
