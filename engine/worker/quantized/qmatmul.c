@@ -21,7 +21,9 @@
    0..31 with shift 0), and the loops subtract shift * (the sum of xq over the group) from u . xq.
 
    Activations. Row r's 32 values of chunk c become xq = round(x / dx), dx = max|x| / 127 (as
-   llama.cpp's q8 rows), and with two levels also what that left out, rounded the same way; xsum
+   llama.cpp's q8 rows), and with two levels also what that left out, in steps FINER times finer
+   (within 127 of them: it is within half a step of level 1), so that both levels' integer sums
+   add up in one int32 (level 1's times FINER) and are scaled into float once; xsum
    = the float sum of the 32 values for the offsets: x . (q*s + o) ~= s * sum over levels of
    dx * (xq . q) + o * xsum; xqsum the integer sums of each level's xq over each 16 values (for
    the 6-bit shift).
@@ -52,6 +54,8 @@ static inline void group_scale(const Args *a, int64_t b, int64_t g, int64_t grou
     }
 }
 
+#define FINER 254  /* level 2's step is level 1's / FINER */
+
 #ifdef __AVX2__
 #include <immintrin.h>
 
@@ -72,7 +76,8 @@ static inline __m256i broadcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4);
 static inline __attribute__((always_inline)) void block_rows(const Args *a, int64_t b, int64_t r0, const int MT,
                                                              const int GS, const int BITS, const int LEVELS) {
     const int64_t groups = a->chunks * CHUNK / GS, level_stride = a->rows * a->chunks;
-    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
+    /* with two levels, level 1's sums count FINER of level 2's steps: both summed in one int32 */
+    const __m256i ones = _mm256_set1_epi16(1), first = _mm256_set1_epi16(LEVELS == 2 ? FINER : 1), low4 = _mm256_set1_epi8(15);
     __m256 acc[4];
     for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
     const int64_t chunk_bytes = BITS * CHUNK * LANES / 8;
@@ -85,37 +90,45 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
         const int8_t *xq[2][4];
         for (int v = 0; v < LEVELS; v++)
             for (int r = 0; r < MT; r++) xq[v][r] = a->xq + ((v * level_stride) + (r0 + r) * a->chunks + c) * CHUNK;
-        __m256i dot[2][4][2];  /* [level][row][half of the chunk] (halves for 16-wide groups) */
-        for (int v = 0; v < LEVELS; v++)
-            for (int r = 0; r < MT; r++) dot[v][r][0] = dot[v][r][1] = _mm256_setzero_si256();
+        __m256i dot[1][4][2];  /* [row][half of the chunk] (halves for 16-wide groups), both levels */
+        for (int r = 0; r < MT; r++) dot[0][r][0] = dot[0][r][1] = _mm256_setzero_si256();
         if (BITS == 6) {
             /* u . xq for the chunk's two halves apart (a 16-wide group each, for Q6_K), widened
-               to 32 bits at each quad (2 products x 63 x 127 fit 16 bits; four quads would not). */
+               to 32 bits every two quads: a byte multiply-add's 16-bit sum is at most
+               2 x 63 x 127 = 16,002, so two of them fit 16 bits (three would not). */
             const uint8_t *p = a->q + (b * a->chunks + c) * (CHUNK * 6 / 8) * LANES;
             const __m256i top_low = _mm256_loadu_si256((const __m256i *)(p + 128));
             const __m256i top_high = _mm256_loadu_si256((const __m256i *)(p + 160));
-            for (int t = 0; t < 4; t++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(p + t * 32));
-                const __m256i lo = _mm256_or_si256(_mm256_and_si256(w, low4), top_bits(top_low, t));
-                const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low4),
-                                                   top_bits(top_high, t));
+            for (int t = 0; t < 4; t += 2) {
+                __m256i lo[2], hi[2];
+                for (int u = 0; u < 2; u++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(p + (t + u) * 32));
+                    lo[u] = _mm256_or_si256(_mm256_and_si256(w, low4), top_bits(top_low, t + u));
+                    hi[u] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low4), top_bits(top_high, t + u));
+                }
                 for (int v = 0; v < LEVELS; v++)
                     for (int r = 0; r < MT; r++) {
-                        dot[v][r][0] = _mm256_add_epi32(dot[v][r][0], _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(lo, broadcast4(xq[v][r] + 4 * t)), ones));
-                        dot[v][r][1] = _mm256_add_epi32(dot[v][r][1], _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(hi, broadcast4(xq[v][r] + 16 + 4 * t)), ones));
+                        dot[0][r][0] = _mm256_add_epi32(dot[0][r][0], _mm256_madd_epi16(_mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo[0], broadcast4(xq[v][r] + 4 * t)),
+                            _mm256_maddubs_epi16(lo[1], broadcast4(xq[v][r] + 4 * t + 4))), v ? ones : first));
+                        dot[0][r][1] = _mm256_add_epi32(dot[0][r][1], _mm256_madd_epi16(_mm256_add_epi16(
+                            _mm256_maddubs_epi16(hi[0], broadcast4(xq[v][r] + 16 + 4 * t)),
+                            _mm256_maddubs_epi16(hi[1], broadcast4(xq[v][r] + 20 + 4 * t))), v ? ones : first));
                     }
             }
-            for (int v = 0; v < LEVELS; v++)
-                for (int r = 0; r < MT; r++) {
-                    if (a->shift) {
-                        const int32_t *sums = a->xqsum + ((v * level_stride) + (r0 + r) * a->chunks + c) * 2;
-                        dot[v][r][0] = _mm256_sub_epi32(dot[v][r][0], _mm256_set1_epi32(a->shift * sums[0]));
-                        dot[v][r][1] = _mm256_sub_epi32(dot[v][r][1], _mm256_set1_epi32(a->shift * sums[1]));
+            for (int r = 0; r < MT; r++) {
+                if (a->shift) {
+                    const int32_t *sums = a->xqsum + ((r0 + r) * a->chunks + c) * 2;
+                    int32_t sum0 = sums[0], sum1 = sums[1];
+                    if (LEVELS == 2) {
+                        const int32_t *fine = sums + level_stride * 2;
+                        sum0 = sum0 * FINER + fine[0], sum1 = sum1 * FINER + fine[1];
                     }
-                    if (GS == 32) dot[v][r][0] = _mm256_add_epi32(dot[v][r][0], dot[v][r][1]);
+                    dot[0][r][0] = _mm256_sub_epi32(dot[0][r][0], _mm256_set1_epi32(a->shift * sum0));
+                    dot[0][r][1] = _mm256_sub_epi32(dot[0][r][1], _mm256_set1_epi32(a->shift * sum1));
                 }
+                if (GS == 32) dot[0][r][0] = _mm256_add_epi32(dot[0][r][0], dot[0][r][1]);
+            }
         } else if (BITS == 4) {
             /* 16-bit sums hold a whole chunk: 4 quads x 2 nibbles x 2 products x 15 x 127 < 2^15. */
             __m256i pairs[2][4];
@@ -132,8 +145,10 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                             _mm256_maddubs_epi16(lo, broadcast4(xq[v][r] + 4 * t)),
                             _mm256_maddubs_epi16(hi, broadcast4(xq[v][r] + 16 + 4 * t))));
             }
-            for (int v = 0; v < LEVELS; v++)
-                for (int r = 0; r < MT; r++) dot[v][r][0] = _mm256_madd_epi16(pairs[v][r], ones);
+            for (int r = 0; r < MT; r++) {
+                dot[0][r][0] = _mm256_madd_epi16(pairs[0][r], first);
+                if (LEVELS == 2) dot[0][r][0] = _mm256_add_epi32(dot[0][r][0], _mm256_madd_epi16(pairs[1][r], ones));
+            }
         } else {
             const int8_t *p = (const int8_t *)a->q + (b * a->chunks + c) * CHUNK * LANES;
             for (int t = 0; t < 8; t++) {
@@ -144,18 +159,17 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                     for (int r = 0; r < MT; r++) {
                         /* |w| * (x with w's sign): the unsigned-by-signed form vpmaddubsw takes. */
                         const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(broadcast4(xq[v][r] + 4 * t), w));
-                        dot[v][r][h] = _mm256_add_epi32(dot[v][r][h], _mm256_madd_epi16(pairs, ones));
+                        dot[0][r][h] = _mm256_add_epi32(dot[0][r][h], _mm256_madd_epi16(pairs, v ? ones : first));
                     }
             }
         }
         const int64_t g0 = c * CHUNK / GS;
         for (int h = 0; h < CHUNK / GS; h++) {
             const __m256 scale = load_factor(a, a->d, a->sc, b, g0 + h, groups);
-            for (int v = 0; v < LEVELS; v++)
-                for (int r = 0; r < MT; r++) {
-                    const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(a->dx[v * level_stride + (r0 + r) * a->chunks + c]));
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[v][r][h]), s, acc[r]);
-                }
+            for (int r = 0; r < MT; r++) {  /* the finest level's step: the sums count in it */
+                const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(a->dx[(LEVELS - 1) * level_stride + (r0 + r) * a->chunks + c]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0][r][h]), s, acc[r]);
+            }
         }
         if (a->dm) {
             const __m256 offset = load_factor(a, a->dm, a->mn, b, g0, groups);
@@ -233,8 +247,8 @@ static inline void format_block(const Args *a, const Part *p, int64_t b, int64_t
 }
 
 /* Row r of x [rows, in] (row stride x_stride) as int8 per 32 values, in `levels` levels: level 1
-   is round(x / dx) with dx = max|x| / 127 (llama.cpp's q8 rows), level 2 the same of what level 1
-   left out (x less its rounding: within dx / 2), so two levels carry x to ~1/32000 of the chunk's
+   is round(x / dx) with dx = max|x| / 127 (llama.cpp's q8 rows), level 2 what level 1 left out
+   (within dx / 2) in steps of dx / FINER, so two levels carry x to ~1/64000 of the chunk's
    largest value. xq [levels, rows, in], dx [levels, rows, in/32]; xsum [rows, in/32] the float
    sums (for the offsets), xqsum [levels, rows, in/16] the integer sums of xq by 16 (for the 6-bit
    shift). Called inside a parallel region: the threads share the chunks. */
@@ -249,14 +263,16 @@ static void quantize_chunks(const float *x, int64_t rows, int64_t x_stride, int6
         memcpy(v, x + r * x_stride + c * CHUNK, sizeof(v));
         for (int i = 0; i < CHUNK; i++) sum += v[i];
         xsum[rc] = sum;
+        float amax = 0.0f;
+        for (int i = 0; i < CHUNK; i++) amax = fmaxf(amax, fabsf(v[i]));
         for (int64_t level = 0; level < levels; level++) {
-            float amax = 0.0f;
-            for (int i = 0; i < CHUNK; i++) amax = fmaxf(amax, fabsf(v[i]));
-            const float step = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const float step = level == 0 ? amax / 127.0f : dx[rc] / FINER;
+            const float inverse = amax == 0.0f ? 0.0f : level == 0 ? 127.0f / amax : FINER / dx[rc];
             int8_t *out = xq + (level * rows * chunks + rc) * CHUNK;
             int32_t sums[2] = {0, 0};
             for (int i = 0; i < CHUNK; i++) {
-                out[i] = (int8_t)lrintf(v[i] * inverse);
+                const long rounded = lrintf(v[i] * inverse);  /* within 127 but for float rounding */
+                out[i] = (int8_t)(rounded > 127 ? 127 : rounded < -127 ? -127 : rounded);
                 v[i] -= (float)out[i] * step;
                 sums[i / 16] += out[i];
             }
