@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
 import kernels
 from engine import LLM, SamplingParams
@@ -17,24 +17,36 @@ from tests.test_gguf_file import T, tiny_llama_tensors, write_gguf
 
 BLOCK_SIZE = 4
 # Every layer matrix kept quantized, in three formats (the tiny model's rows are 64 or 128 wide:
-# too short for the K-quants' 256).
+# too short for the K-quants' 256), and the embedding, which is also the (tied) output head.
 FORMATS = {"attn_q": T.Q8_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0, "attn_output": T.Q4_0, "ffn_gate": T.Q4_1,
-           "ffn_up": T.Q4_1, "ffn_down": T.Q8_0}
+           "ffn_up": T.Q4_1, "ffn_down": T.Q8_0, "token_embd": T.Q8_0}
 
 
 @pytest.fixture(scope="module")
 def all_quantized_gguf(tmp_path_factory, tiny_hf) -> str:
+    return quantized_gguf(tmp_path_factory.mktemp("lone") / "tiny-all-quantized.gguf", tiny_hf, FORMATS)
+
+
+@pytest.fixture(scope="module")
+def dense_head_gguf(tmp_path_factory, tiny_hf) -> str:
+    """The layers quantized, the embedding and head (tied) in F32: the head then runs in torch."""
+    formats = {kind: qtype for kind, qtype in FORMATS.items() if kind != "token_embd"}
+    return quantized_gguf(tmp_path_factory.mktemp("lone") / "tiny-dense-head.gguf", tiny_hf, formats)
+
+
+def quantized_gguf(path, tiny_hf, formats: dict) -> str:
+    """The tiny model with each tensor of a kind in `formats` in that type, the embedding in F32
+    when it is not among them, the rest as `tiny_llama_tensors` writes them."""
     tensors = []
     for name, array, qtype in tiny_llama_tensors(tiny_hf):
         kind = name.split(".")[-2]
-        if kind in FORMATS:
-            dense = array if qtype == T.F32 else None
-            if dense is None:  # tiny_llama_tensors quantized it to Q8_0: take the HF weights' float copy back
-                from gguf.quants import dequantize
-                dense = dequantize(array, qtype)
-            array, qtype = quantize(dense, FORMATS[kind]), FORMATS[kind]
+        dense = dequantize(array, qtype) if qtype != T.F32 else array  # the HF weights' float copy
+        if kind in formats:
+            array, qtype = quantize(dense, formats[kind]), formats[kind]
+        elif kind == "token_embd":
+            array, qtype = dense, T.F32
         tensors.append((name, array, qtype))
-    return write_gguf(tmp_path_factory.mktemp("lone") / "tiny-all-quantized.gguf", "llama", tensors, file_type=7)
+    return write_gguf(path, "llama", tensors, file_type=7)
 
 
 def native_model(path: str, config) -> LlamaModel:
@@ -46,12 +58,13 @@ def dequantized_model(path: str, config) -> LlamaModel:
 
 
 def decode_logits(model: LlamaModel, sequences: list[list[int]], prompts: list[int],
-                  native: NativeDecode | None, shared: int = 0) -> torch.Tensor:
+                  native: NativeDecode | None, shared: int = 0, sampled: list[int] | None = None) -> torch.Tensor:
     """Logits `[steps, sequences, vocab]` of each sequence's tokens after its prompt (its first
     `prompts[i]`, prefilled alone), the sequences decoding together one token each a step, over a
     paged cache whose blocks are out of order, with `native` as the model's native decode. The
     sequences' first `shared` blocks are the same blocks (their tokens must be alike), as the
-    prefix cache shares a common system prompt's."""
+    prefix cache shares a common system prompt's. `sampled`: the sequences whose logits the
+    decode steps ask for (the others' as a sequence mid-prompt's, none), all by default."""
     model.native_decode = native
     counts = [-(-len(ids) // BLOCK_SIZE) for ids in sequences]
     order = torch.randperm(2 * sum(counts) + 1, generator=torch.Generator().manual_seed(1)).int()
@@ -63,7 +76,7 @@ def decode_logits(model: LlamaModel, sequences: list[list[int]], prompts: list[i
         assert sequences[i][:shared * BLOCK_SIZE] == sequences[0][:shared * BLOCK_SIZE]
     model.rotary.ensure(max(map(len, sequences)))
 
-    def step(rows: list[int], spans: list[tuple[int, int]]) -> torch.Tensor:
+    def step(rows: list[int], spans: list[tuple[int, int]], sampled: list[int] | None = None) -> torch.Tensor:
         ids, positions, slots, cu, lens = [], [], [], [0], []
         for row, (start, end) in zip(rows, spans):
             ids += sequences[row][start:end]
@@ -73,14 +86,16 @@ def decode_logits(model: LlamaModel, sequences: list[list[int]], prompts: list[i
             lens.append(end)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots), cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
                                  seqused_k=torch.tensor(lens, dtype=torch.int32), block_table=table[rows])
-        return model.forward(torch.tensor(ids), torch.tensor(positions), cache, meta, torch.tensor(cu[1:]) - 1)
+        ends = torch.tensor(cu[1:]) - 1
+        return model.forward(torch.tensor(ids), torch.tensor(positions), cache, meta,
+                             ends if sampled is None else ends[sampled])
 
     for row, prompt in enumerate(prompts):
         step([row], [(0, prompt)])
     steps = len(sequences[0]) - prompts[0]
     assert all(len(ids) - prompt == steps for ids, prompt in zip(sequences, prompts))
     rows = list(range(len(sequences)))
-    return torch.stack([step(rows, [(p + t, p + t + 1) for p in prompts]) for t in range(steps)])
+    return torch.stack([step(rows, [(p + t, p + t + 1) for p in prompts], sampled) for t in range(steps)])
 
 
 def random_ids(lengths: list[int], vocab: int, seed: int = 0, common: int = 0) -> list[list[int]]:
@@ -93,11 +108,15 @@ def random_ids(lengths: list[int], vocab: int, seed: int = 0, common: int = 0) -
 @pytest.mark.parametrize("prompts, shared", [([7], 0), ([7, 3, 12, 5], 0), ([3 + i % 6 for i in range(17)], 0),
                                              ([2 * BLOCK_SIZE + 1 + i % 6 for i in range(17)], 2)],
                          ids=["a lone chat", "4 chats", "17 chats", "17 chats sharing 2 blocks"])
-def test_decoding_tokens_through_the_native_layers_are_the_eager_forward(all_quantized_gguf, tiny_hf, prompts, shared):
+@pytest.mark.parametrize("gguf", ["all_quantized_gguf", "dense_head_gguf"], ids=["quantized head", "dense head"])
+def test_decoding_tokens_through_the_native_layers_are_the_eager_forward(request, gguf, tiny_hf, prompts, shared):
     """One sequence (qmatmul.c's few-row loops, a head at a time), a few, and 17 (from 16 rows the
     matmuls take qmatmul_batch.c's loops; two bands of rows over the shared blocks) of different
-    lengths, blocks out of order, with and without leading blocks in common."""
-    model = native_model(all_quantized_gguf, tiny_hf.config)
+    lengths, blocks out of order, with and without leading blocks in common; the output head in
+    the same native call (quantized) or after it in torch (dense)."""
+    path = request.getfixturevalue(gguf)
+    model = native_model(path, tiny_hf.config)
+    assert (native_model(path, tiny_hf.config).native_decode._head is not None) == (gguf == "all_quantized_gguf")
     native = model.native_decode
     assert isinstance(native, NativeDecode)
     assert model.decodes_natively(1, 1) and model.decodes_natively(3, 3) and not model.decodes_natively(4, 3)
@@ -111,9 +130,24 @@ def test_decoding_tokens_through_the_native_layers_are_the_eager_forward(all_qua
     # matmul, and a float summed in another order can round to the other side: so each is held to
     # the file's dequantized weights (the exact product), and the native path must be as close to
     # them as eager is.
-    exact = decode_logits(dequantized_model(all_quantized_gguf, tiny_hf.config), sequences, prompts, None, shared)
+    exact = decode_logits(dequantized_model(path, tiny_hf.config), sequences, prompts, None, shared)
     ours_error, eager_error = float((ours - exact).abs().max()), float((eager - exact).abs().max())
     assert ours_error < 1e-3 * float(exact.abs().max()) and ours_error < 2 * eager_error
+
+
+def test_a_step_that_samples_some_of_its_rows_gets_their_logits(all_quantized_gguf, tiny_hf):
+    """A sequence computing one token of its prompt (a chunk of one) wants no logits: the head
+    then runs in torch over the rows that do, and their logits are the eager forward's."""
+    model = native_model(all_quantized_gguf, tiny_hf.config)
+    native = model.native_decode
+    sequences, prompts = random_ids([20, 18, 21], tiny_hf.config.vocab_size, seed=5), [6, 4, 7]
+    ours = decode_logits(model, sequences, prompts, native, sampled=[0, 2])
+    eager = decode_logits(model, sequences, prompts, None, sampled=[0, 2])
+    everyone = decode_logits(model, sequences, prompts, native)
+    assert ours.shape == (14, 2, tiny_hf.config.vocab_size)
+    assert torch.equal(ours.argmax(-1), eager.argmax(-1))
+    assert float((ours - eager).abs().max()) < 1e-3 * float(eager.abs().max())
+    torch.testing.assert_close(ours, everyone[:, [0, 2]])  # the same rows as when all are sampled
 
 
 def test_a_qkv_bias_is_added_before_the_rotation(all_quantized_gguf, tiny_hf):

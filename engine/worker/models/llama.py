@@ -125,8 +125,8 @@ class LlamaModel:
         else:
             hidden = F.embedding(input_ids, self.embed)
         if self.decodes_natively(input_ids.shape[0], meta.seqused_k.shape[0]):
-            hidden = self.native_decode(hidden, cos_sin, kv_cache, meta.slot_mapping, meta.block_table, meta.seqused_k)
-            return self.lm_head(self.norm(hidden[logits_indices])).float()
+            return self.native_decode(hidden, cos_sin, kv_cache, meta.slot_mapping, meta.block_table, meta.seqused_k,
+                                      logits_indices)
         shape = self.shape
         q_size, kv_size, dim = shape.q_size, shape.kv_size, shape.head_dim
         for layer, (k_cache, v_cache) in zip(self.layers, self._layer_views(kv_cache)):

@@ -45,6 +45,10 @@ typedef struct {
     /* [rows, stride] each, the stride its width plus LANES floats of room for a part's padding */
     float *x, *qkv, *attn, *delta, *gate_up;
     int64_t x_stride, qkv_stride, attn_stride, delta_stride, gate_up_stride;
+    /* Where the output head is quantized too: the final norm's weight [hidden], the head's parts
+       and the logits [rows, logits_stride] it writes; head NULL: the caller takes h from here. */
+    const float *final_norm; const Part *head; int64_t head_parts;
+    float *logits; int64_t logits_stride;
 } Step;
 
 static void rms_norm(const float *h, const float *weight, int64_t n, float eps, float *out) {
@@ -167,7 +171,9 @@ static void layer_in_region(float *h, const Layer *l, const Step *s) {
 }
 
 /* h [rows, hidden], the tokens' embeddings, becomes their hidden states after the last layer
-   (before the final norm); every layer's K and V of the tokens are written into the cache. */
+   (before the final norm); every layer's K and V of the tokens are written into the cache; with
+   s->head, s->logits gets each row's logits (a lone chat's head, the largest matrix of a small
+   model, then streams inside the same region, not after a Python call and a region of its own). */
 void decode_layers(float *h, const Layer *layers, int64_t num_layers, Step *s) {
     /* the shared blocks: alike in every row's table and full in every row's context */
     int64_t shared = 0, fewest = s->contexts[0];
@@ -179,5 +185,14 @@ void decode_layers(float *h, const Layer *layers, int64_t num_layers, Step *s) {
     }
     s->shared_blocks = s->rows > 1 ? shared : 0;
     #pragma omp parallel
-    for (int64_t i = 0; i < num_layers; i++) layer_in_region(h, &layers[i], s);
+    {
+        for (int64_t i = 0; i < num_layers; i++) layer_in_region(h, &layers[i], s);
+        if (s->head) {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < s->rows; r++)
+                rms_norm(h + r * s->hidden, s->final_norm, s->hidden, s->eps, s->x + r * s->x_stride);
+            qlinear_in_region(s->x, s->rows, s->x_stride, s->hidden, s->levels, &s->scratch, s->head, s->head_parts,
+                              s->logits, s->logits_stride);
+        }
+    }
 }
