@@ -64,6 +64,23 @@ void rms_norm_rows(const float *x, int64_t rows, int64_t x_stride, const float *
     for (int64_t r = 0; r < rows; r++) rms_norm(x + r * x_stride, weight, n, eps, out + r * n);
 }
 
+/* gu [2 * n]: its first half becomes silu(gate) * up, up its second half. Eight at a time (libm's
+   expf one value at a time took ~2% of a 32-chat step of the 1B), from e^-|g| whichever g's sign:
+   sigmoid(g) = 1 / (1 + e^-g) = e^g / (1 + e^g). */
+static void silu_and_mul(float *gu, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    const __m256 one = _mm256_set1_ps(1.0f), magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gu + i);
+        const __m256 t = exp_negative(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_and_ps(g, magnitude)));
+        const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, t, g), _mm256_add_ps(one, t));  /* t where g < 0 */
+        _mm256_storeu_ps(gu + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(gu + n + i)));
+    }
+#endif
+    for (; i < n; i++) gu[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[n + i];
+}
+
 static void rotate(float *x, const float *cos_sin, int64_t dim) {
     float swapped[dim];
     const int64_t half = dim / 2;
@@ -156,13 +173,8 @@ static void layer_in_region(float *h, const Layer *l, const Step *s) {
     }
     qlinear_in_region(s->x, rows, s->x_stride, s->hidden, s->levels, &s->scratch, l->gate_up,
                       l->gate_up_parts, s->gate_up, s->gate_up_stride);
-    #pragma omp for collapse(2) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < s->ffn; i++) {
-            float *gu = s->gate_up + r * s->gate_up_stride;
-            const float g = gu[i];
-            gu[i] = g / (1.0f + expf(-g)) * gu[s->ffn + i];
-        }
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) silu_and_mul(s->gate_up + r * s->gate_up_stride, s->ffn);
     qlinear_in_region(s->gate_up, rows, s->gate_up_stride, s->ffn, s->levels, &s->scratch, l->down, l->down_parts,
                       s->delta, s->delta_stride);
     #pragma omp for schedule(static)

@@ -36,6 +36,24 @@ static inline __m256 group_factor(const _Float16 *per_super, const int8_t *per_g
     return factor;
 }
 
+/* e^x for x <= 0, 8 at a time: Cephes' expf (x = n ln 2 + r, a degree-5 polynomial in r, 2^n
+   built in the exponent bits), within ~2 ulp; below -87 (e^-87 ~ 1.6e-38) it gives 0. */
+static inline __m256 exp_negative(__m256 x) {
+    const __m256 clamped = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(clamped, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), clamped);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+    return _mm256_and_ps(_mm256_mul_ps(y, two_n), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
+}
+
 /* The top 2 bits of quad t's 6-bit quants, from where the layout keeps them (bits 2t, 2t + 1 of
    each byte) to bits 4 and 5 (16-bit shifts move bits across bytes: the mask drops those). */
 static inline __m256i top_bits(__m256i packed, int t) {
