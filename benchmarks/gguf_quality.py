@@ -6,7 +6,9 @@ the same.
 - teacher-forced top-1 agreement: chat texts (the chat template around questions and answers
   written out) run through both models once; at every position, is the native model's most
   likely next token the dequantized one's? Positions where the dequantized model's top two are
-  within 1e-3 of each other (a tie float noise decides) are counted apart.
+  within 1e-3 of each other (a tie float noise decides) are counted apart. The texts run through
+  the native model twice: as one prompt (its matmuls over many rows at a time) and one token a
+  step, as a lone chat decodes (each matmul over one row: the few-row loops, qmatmul.c).
 - greedy replies: each question answered by both engines, greedy, `--max-tokens` tokens; equal
   replies counted, and for the others the first token where they part.
 
@@ -82,6 +84,27 @@ def teacher_forced_logits(model, ids: list[int], block_size: int = 16) -> torch.
     return model.forward(torch.tensor(ids, device=device), positions, cache, meta, positions).cpu()
 
 
+@torch.inference_mode()
+def stepwise_logits(model, ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """The same logits computed one token a step, each step one row through the decoder (a lone
+    chat's decode: the native layers, where the model has them)."""
+    from engine.worker.models.llama import AttentionMetadata
+
+    n, device = len(ids), model.device
+    blocks = -(-n // block_size)
+    cache = torch.zeros(model.kv_cache_shape(blocks, block_size), dtype=model.dtype, device=device)
+    table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
+    model.rotary.ensure(n)
+    rows = []
+    for t in range(n):
+        meta = AttentionMetadata(slot_mapping=torch.tensor([t], device=device),
+                                 cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=device),
+                                 seqused_k=torch.tensor([t + 1], dtype=torch.int32, device=device), block_table=table)
+        rows.append(model.forward(torch.tensor(ids[t:t + 1], device=device), torch.tensor([t], device=device),
+                                  cache, meta, torch.tensor([0], device=device)).cpu())
+    return torch.cat(rows)
+
+
 def agreement(native: torch.Tensor, dense: torch.Tensor, tie: float = 1e-3) -> dict:
     """Top-1 agreement of two models' logits over the same positions."""
     top2 = dense.topk(2, dim=-1).values
@@ -108,9 +131,13 @@ def measure(path: str, max_tokens: int) -> dict:
     dense, _ = decoder(path, "dequantize")
     texts = chat_texts(tokenizer)
     totals = {"positions": 0, "agree": 0, "clear_positions": 0, "clear_agree": 0}
+    stepwise = dict.fromkeys(totals, 0)
     for ids in texts:
-        for key, value in agreement(teacher_forced_logits(native, ids), teacher_forced_logits(dense, ids)).items():
+        reference = teacher_forced_logits(dense, ids)
+        for key, value in agreement(teacher_forced_logits(native, ids), reference).items():
             totals[key] += value
+        for key, value in agreement(stepwise_logits(native, ids), reference).items():
+            stepwise[key] += value
     del native, dense
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
@@ -124,6 +151,8 @@ def measure(path: str, max_tokens: int) -> dict:
                     for a, b in zip(replies["native"], replies["dequantize"]) if a != b)
     return {"file": Path(path).name, "type": info.file_type, "parameters": info.num_parameters, **totals,
             "top1": totals["agree"] / totals["positions"], "top1_clear": totals["clear_agree"] / max(totals["clear_positions"], 1),
+            "top1_stepwise": stepwise["agree"] / stepwise["positions"],
+            "top1_stepwise_clear": stepwise["clear_agree"] / max(stepwise["clear_positions"], 1),
             "greedy_prompts": len(prompts), "greedy_equal": equal, "greedy_tokens": max_tokens,
             "first_difference_at": parted}
 
@@ -141,11 +170,13 @@ def main() -> None:
     rows = [measure(path, args.max_tokens) for path in files]
     cpu = cpu_model()
     print(f"GGUF native against dequantized (float32), teacher-forced and greedy, on {cpu}")
-    print(f"| file | type | positions | top-1 agree | top-1, clear winners | greedy replies equal ({args.max_tokens} tokens) |")
-    print("|---|---|---|---|---|---|")
+    print(f"| file | type | positions | top-1 agree | top-1, clear winners | top-1, one token a step (clear) "
+          f"| greedy replies equal ({args.max_tokens} tokens) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['file']} | {r['type']} | {r['positions']} | {r['top1']:.2%} | {r['top1_clear']:.2%} "
-              f"({r['clear_positions']}) | {r['greedy_equal']} of {r['greedy_prompts']} "
+              f"({r['clear_positions']}) | {r['top1_stepwise']:.2%} ({r['top1_stepwise_clear']:.2%}) "
+              f"| {r['greedy_equal']} of {r['greedy_prompts']} "
               f"(others part at token {r['first_difference_at']}) |")
     print(json.dumps({"benchmark": "gguf_quality", "cpu": cpu, "seconds": round(time.perf_counter() - started, 1),
                       "results": rows}))

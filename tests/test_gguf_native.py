@@ -54,6 +54,8 @@ def test_the_tiny_llama_kept_quantized_computes_what_it_dequantized_computes(tmp
     ours, theirs = logits_of(native, ids), logits_of(dense, ids)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     assert (ours - theirs).abs().max() < 1e-3 * theirs.abs().max()
+    from benchmarks.gguf_quality import stepwise_logits  # gguf_quality.py's one-token-a-step pass: the same logits
+    torch.testing.assert_close(stepwise_logits(native, ids[:12]), ours[:12], atol=1e-3 * float(theirs.abs().max()), rtol=0)
 
 
 def test_the_quantization_option_is_checked(tiny_model_dir, embedded_gguf, monkeypatch):
