@@ -5,8 +5,8 @@ random bytes (the speed does not depend on their values), the scales small.
 
     .venv/bin/python benchmarks/quantized_matrix.py [--formats Q4_K,Q8_0] [--rows 1,32,256]
 
-"2 levels" is the engine's default precision: qmatmul.c's two int8 levels below 16 rows, and
-from 16 rows qmatmul_batch.c's int16 loops (the same precision). On a CPU with AMX, torch's
+"2 levels" is the engine's default precision: qmatmul.c's two int8 levels below 8 rows, and
+from 8 rows qmatmul_batch.c's int16 loops (the same precision). On a CPU with AMX, torch's
 bf16 matmul runs on it (oneDNN); elsewhere it is the slowest column.
 Prints a table (ms per product, best of --repeats), then one JSON line.
 """

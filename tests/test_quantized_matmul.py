@@ -55,7 +55,7 @@ def activation_rounding_bound(x: torch.Tensor, matrix: QuantizedMatrix, levels: 
 
 
 @pytest.mark.parametrize("levels", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 32, 300])  # from 17: the batch loops; 300: three passes of 100
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 32, 300])  # from 8: the batch loops (8: 2 tiles of 3 and one of 2); 300: three passes of 100
 @pytest.mark.parametrize("qtype", gguf_formats.QUANTIZED_TYPES, ids=lambda t: t.name)
 def test_matmul_equals_dequantize_then_matmul(qtype, rows, levels):
     matrix, _ = matrix_of(qtype)
