@@ -110,7 +110,7 @@ def random_ids(lengths: list[int], vocab: int, seed: int = 0, common: int = 0) -
                          ids=["a lone chat", "4 chats", "17 chats", "17 chats sharing 2 blocks"])
 @pytest.mark.parametrize("gguf", ["all_quantized_gguf", "dense_head_gguf"], ids=["quantized head", "dense head"])
 def test_decoding_tokens_through_the_native_layers_are_the_eager_forward(request, gguf, tiny_hf, prompts, shared):
-    """One sequence (qmatmul.c's few-row loops, a head at a time), a few, and 17 (from 16 rows the
+    """One sequence (qmatmul.c's few-row loops, a head at a time), a few, and 17 (from 8 rows the
     matmuls take qmatmul_batch.c's loops; two bands of rows over the shared blocks) of different
     lengths, blocks out of order, with and without leading blocks in common; the output head in
     the same native call (quantized) or after it in torch (dense)."""
@@ -119,20 +119,65 @@ def test_decoding_tokens_through_the_native_layers_are_the_eager_forward(request
     assert (native_model(path, tiny_hf.config).native_decode._head is not None) == (gguf == "all_quantized_gguf")
     native = model.native_decode
     assert isinstance(native, NativeDecode)
-    assert model.decodes_natively(1, 1) and model.decodes_natively(3, 3) and not model.decodes_natively(4, 3)
+    assert model.decodes_natively(1, 1) and model.decodes_natively(40, 40) and model.decodes_natively(16, 3)
+    assert not model.decodes_natively(17, 3)  # a long prompt: the eager forward's attention
     sequences = random_ids([p + 26 for p in prompts], tiny_hf.config.vocab_size, common=shared * BLOCK_SIZE)
     ours = decode_logits(model, sequences, prompts, native, shared)
     assert native.shared_blocks == shared  # the last step read them once for every band of rows
     eager = decode_logits(model, sequences, prompts, None, shared)
     assert ours.shape == (26, len(prompts), tiny_hf.config.vocab_size)
     assert torch.equal(ours.argmax(-1), eager.argmax(-1))
-    # Both paths round the activations (two int8 levels, or one int16 level from 16 rows) before each
+    # Both paths round the activations (two int8 levels, or one int16 level from 8 rows) before each
     # matmul, and a float summed in another order can round to the other side: so each is held to
     # the file's dequantized weights (the exact product), and the native path must be as close to
     # them as eager is.
     exact = decode_logits(dequantized_model(path, tiny_hf.config), sequences, prompts, None, shared)
     ours_error, eager_error = float((ours - exact).abs().max()), float((eager - exact).abs().max())
     assert ours_error < 1e-3 * float(exact.abs().max()) and ours_error < 2 * eager_error
+
+
+def test_a_small_prompt_step_runs_natively_each_token_over_its_own_context(all_quantized_gguf, tiny_hf):
+    """A step with several tokens of one sequence (a cached prompt's last partial block, a short
+    turn) beside another's decode: each token a row attending over the keys up to its own, the
+    chunk's earlier tokens included; the last tokens' logits are the eager forward's."""
+    model = native_model(all_quantized_gguf, tiny_hf.config)
+    native = model.native_decode
+    first, second = random_ids([30, 12], tiny_hf.config.vocab_size, seed=7)
+
+    def run(decode: NativeDecode | None) -> list[torch.Tensor]:
+        model.native_decode = decode
+        cache = torch.zeros(model.kv_cache_shape(16, BLOCK_SIZE))
+        table = torch.tensor([[9, 2, 14, 5, 11, 0, 7, 3], [4, 13, 1, 8, 0, 0, 0, 0]], dtype=torch.int32)
+        model.rotary.ensure(32)
+
+        def step(spans: list[tuple[int, int, int]]) -> torch.Tensor:  # (sequence, start, end)
+            ids, positions, slots, cu, lens = [], [], [], [0], []
+            for row, start, end in spans:
+                ids += (first, second)[row][start:end]
+                positions += range(start, end)
+                slots += [int(table[row, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
+                cu.append(cu[-1] + end - start)
+                lens.append(end)
+            meta = AttentionMetadata(slot_mapping=torch.tensor(slots), cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+                                     seqused_k=torch.tensor(lens, dtype=torch.int32),
+                                     block_table=table[[row for row, _, _ in spans]])
+            return model.forward(torch.tensor(ids), torch.tensor(positions), cache, meta, torch.tensor(cu[1:]) - 1)
+
+        return [step([(0, 0, 13)]), step([(0, 13, 18), (1, 0, 11)]), step([(0, 18, 19), (1, 11, 12)]),
+                step([(0, 19, 30)])]
+
+    calls = []
+    original = NativeDecode.__call__
+    NativeDecode.__call__ = lambda self, hidden, *rest: calls.append(hidden.shape[0]) or original(self, hidden, *rest)
+    try:
+        ours = run(native)
+    finally:
+        NativeDecode.__call__ = original
+    assert calls == [13, 16, 2, 11]  # every step natively, a row a token
+    eager = run(None)
+    for a, b in zip(ours, eager):
+        assert a.shape == b.shape and torch.equal(a.argmax(-1), b.argmax(-1))
+        assert float((a - b).abs().max()) < 1e-3 * float(b.abs().max())
 
 
 def test_a_step_that_samples_some_of_its_rows_gets_their_logits(all_quantized_gguf, tiny_hf):

@@ -7,9 +7,9 @@ only for the rows that sample. The layers' maths is models/layers/'s, shared wit
 decode steps; weights come from the model's checkpoint (models/weights.py), q/k/v and gate/up
 projections fused into one matmul each. On a model whose layer matrices are all kept quantized (a
 GGUF file served natively, float32 on a CPU), a step whose every sequence computes one token (a
-lone chat's, a batch of decodes) runs its layers in one native call instead
-(engine/worker/quantized/native_decode.py), the same arithmetic in C, and every other step takes
-its norms from native code (RMSNorm.native).
+lone chat's, a batch of decodes) or a small one (a cached prompt's tail) runs its layers in one
+native call instead (engine/worker/quantized/native_decode.py), the same arithmetic in C, and
+every other step takes its norms from native code (RMSNorm.native).
 """
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ from engine.worker.models.weights import DecoderWeights, Weight
 from engine.worker.quantized import native
 from engine.worker.quantized.native_decode import NativeDecode
 from engine.worker.quantized.matrix import QuantizedMatrix
+
+# The most tokens a step that is not all decodes may have and still run natively (decodes_natively).
+NATIVE_STEP_TOKENS = 16
 
 
 @dataclass
@@ -108,9 +111,13 @@ class LlamaModel:
 
     def decodes_natively(self, num_tokens: int, num_seqs: int) -> bool:
         """Whether a step of `num_tokens` tokens over `num_seqs` sequences runs its layers in
-        `native_decode`: every sequence computes at least one token, so one each when the two are
-        equal. Such a step reads the paged cache in native code only: it needs no attention plan."""
-        return self.native_decode is not None and 0 < num_tokens == num_seqs
+        `native_decode`, each token a row attending over its own context: a step of decodes (one
+        token a sequence, however many), or a small one (a cached prompt's last partial block, a
+        short turn). A long prompt takes the eager forward, whose attention runs as matmuls where
+        the native one reads each token's keys apart. Such a step reads the paged cache in native
+        code only: it needs no attention plan."""
+        return self.native_decode is not None and 0 < num_tokens and (
+            num_tokens == num_seqs or num_tokens <= NATIVE_STEP_TOKENS)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -125,8 +132,14 @@ class LlamaModel:
         else:
             hidden = F.embedding(input_ids, self.embed)
         if self.decodes_natively(input_ids.shape[0], meta.seqused_k.shape[0]):
-            return self.native_decode(hidden, cos_sin, kv_cache, meta.slot_mapping, meta.block_table, meta.seqused_k,
-                                      logits_indices)
+            tables, contexts = meta.block_table, meta.seqused_k
+            if input_ids.shape[0] != contexts.shape[0]:  # a sequence's tokens: each its own row and context
+                q_lens = meta.cu_seqlens_q.diff()
+                sequence = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+                tables = tables[sequence]
+                contexts = (contexts[sequence] - (meta.cu_seqlens_q[1:][sequence] - 1 - torch.arange(len(sequence))))
+                contexts = contexts.to(torch.int32)
+            return self.native_decode(hidden, cos_sin, kv_cache, meta.slot_mapping, tables, contexts, logits_indices)
         shape = self.shape
         q_size, kv_size, dim = shape.q_size, shape.kv_size, shape.head_dim
         for layer, (k_cache, v_cache) in zip(self.layers, self._layer_views(kv_cache)):

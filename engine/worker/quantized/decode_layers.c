@@ -1,5 +1,6 @@
-/* A batch of decoding tokens (one new token for each of `rows` sequences: a lone chat's step, or a
-   busy server's batch of decodes) through every decoder layer of a Llama-family model whose
+/* A batch of tokens, a row each with its own context (one new token for each of `rows` sequences:
+   a lone chat's step, a busy server's batch of decodes; or a few tokens of a prompt, every row
+   its K/V stored before any row attends) through every decoder layer of a Llama-family model whose
    weight matrices are kept quantized (qmatmul.c), in float32, in one call and one parallel region.
    Eager torch spent as long between the weight matmuls as in them for a lone chat (~10 small ops
    a layer at a few microseconds of dispatch each, and a Python call per matmul), and ~19% of a
@@ -33,7 +34,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, ffn, levels;
     float eps, scale;
     int64_t block_size, block_stride;
-    int64_t rows;                  /* tokens, one per sequence */
+    int64_t rows;                  /* tokens (a sequence's several are rows with the same table) */
     const float *cos_sin;          /* [rows, 2, head_dim]: cos, then signed sin ([-sin, sin] by halves) */
     const int64_t *slots;          /* [rows]: each token's cache slot, block * block_size + offset */
     const int32_t *block_tables;   /* [rows, table_stride]: each sequence's blocks */

@@ -131,11 +131,13 @@ class NativeDecode:
 
     def __call__(self, hidden: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                  block_table: torch.Tensor, contexts: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """hidden `[rows, hidden_size]` float32 (the tokens' embeddings, one token for each of
-        `rows` sequences; overwritten), cos_sin `[rows, 2, head_dim]` (their positions' rows of
-        the rotary table), their cache `slots` `[rows]`, their sequences' `block_table` `[rows,
-        max_blocks]` and `contexts` `[rows]` (int32: keys, each token's included): the float32
-        logits of rows `logits_indices` (increasing), `[len(logits_indices), vocab]`."""
+        """hidden `[rows, hidden_size]` float32 (the tokens' embeddings, a row each; overwritten),
+        cos_sin `[rows, 2, head_dim]` (their positions' rows of the rotary table), their cache
+        `slots` `[rows]`, their sequences' `block_table` rows `[rows, max_blocks]` and their
+        `contexts` `[rows]` (int32: the keys each attends over, its own included; tokens of one
+        sequence are rows with the same table, each its own context, their K/V all stored before
+        any attends): the float32 logits of rows `logits_indices` (increasing),
+        `[len(logits_indices), vocab]`."""
         rows = hidden.shape[0]
         assert hidden.dtype == torch.float32 and block_table.dtype == contexts.dtype == torch.int32
         assert cos_sin.shape[0] == slots.shape[0] == block_table.shape[0] == contexts.shape[0] == rows
@@ -148,8 +150,9 @@ class NativeDecode:
         step = self._step
         step.rows, step.cos_sin, step.slots, step.contexts = rows, cos_sin.data_ptr(), slots.data_ptr(), contexts.data_ptr()
         step.block_tables, step.table_stride = block_table.data_ptr(), block_table.stride(0)
-        # Every row wants its logits but for a sequence mid-prompt (a one-token chunk), rare: the
-        # head runs here only when all do, and then row i's are logits row i.
+        # In a step of decodes every row wants its logits (but for a sequence mid-prompt, a
+        # one-token chunk): the head runs here only when all do, and then row i's are logits row
+        # i; a prompt's tokens want only their last's.
         head = self._head if logits_indices.shape[0] == rows else None
         logits = None
         if head is None:
