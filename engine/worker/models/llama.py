@@ -157,6 +157,10 @@ class LlamaModel:
             hidden = hidden + layer.o_proj(attn.reshape(-1, q_size))
             gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, dim=-1)
             hidden = hidden + layer.down(silu_and_mul(gate, up))
+        return self.logits(hidden, logits_indices)
+
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of rows `logits_indices` of the last layer's hidden states."""
         return self.lm_head(self.norm(hidden[logits_indices])).float()
 
     def _layer_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

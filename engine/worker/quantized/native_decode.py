@@ -164,4 +164,4 @@ class NativeDecode:
         self._lib.decode_layers(hidden.data_ptr(), ctypes.addressof(layers), len(self.model.layers), ctypes.byref(step))
         if logits is not None:
             return logits[:, :head.out_features]
-        return self.model.lm_head(self.model.norm(hidden[logits_indices])).float()
+        return self.model.logits(hidden, logits_indices)
