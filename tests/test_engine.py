@@ -141,6 +141,11 @@ def test_prefix_caching_and_chunked_prefill_give_identical_outputs(tiny_model_di
     assert run_all(cached, workload, max_tokens=WORKLOAD_TOKENS, **GREEDY) == unconstrained["greedy"]
     again = cached.generate(workload, SamplingParams(max_tokens=4, **GREEDY))
     assert all(o.num_cached_tokens > 0 for o in again if len(o.prompt_token_ids) > 16)
+    # Past the whole blocks, each prompt's last block comes from the cache too (its tokens copied
+    # from the block the first run filled), so all but the last prompt token are cached: the
+    # replies are still the same.
+    assert all(o.num_cached_tokens == len(o.prompt_token_ids) - 1 for o in again)
+    assert [o.outputs[0].token_ids for o in again] == [g[:4] for g in unconstrained["greedy"]]
     chunked = LLM(tiny_model_dir, num_gpu_blocks=512, num_cpu_blocks=64, max_num_batched_tokens=16)
     assert run_all(chunked, workload, max_tokens=WORKLOAD_TOKENS, **GREEDY) == unconstrained["greedy"]
 

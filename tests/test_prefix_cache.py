@@ -9,7 +9,7 @@ import pytest
 from engine.core.block_hash import extend_block_hashes, hash_block
 from engine.core.block_map import BlockState
 from engine_servers import EngineServer
-from simulation import make, request, run
+from simulation import expected, make, request, run
 
 SYSTEM = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]  # three blocks of 4
 
@@ -65,10 +65,16 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     sched, runner = make(num_device_blocks=32)
     sched.add_request(request("a", SYSTEM, max_tokens=3, ignore_eos=True))
     run(sched, runner)
+    a_blocks = sched.kv.device.registered()
     sched.add_request(request("b", SYSTEM, max_tokens=3, ignore_eos=True))
     out = sched.schedule()
-    assert out.scheduled[0].start == 8 and out.scheduled[0].num_new_tokens == 4
-    assert sched.requests["b"].num_cached_tokens == 8
+    # two blocks hit whole; the third is a's third block copied, all but its last token
+    assert out.scheduled[0].start == 11 and out.scheduled[0].num_new_tokens == 1
+    assert sched.requests["b"].num_cached_tokens == 11
+    third = sched.requests["b"].block_hashes[1]
+    src = next(b.block_id for b in a_blocks.values() if b.parent_hash == third)
+    assert out.blocks_to_copy == [(src, sched.requests["b"].block_ids[2])]
+    sched.update(out, runner.execute(out))  # the runner checks b reads a's tokens back
 
 
 def test_caching_off_never_hits():
@@ -143,11 +149,13 @@ def test_a_salted_prompt_shares_only_the_blocks_wholly_inside_the_shared_prefix(
     # 10 shared tokens over blocks of 4: blocks 0-1 are shared, block 2 straddles the boundary
     # (2 shared tokens, then the user's) and is the user's, like everything after it.
     prompt = SYSTEM[:10] + [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    # After the full blocks, a cached block that begins with the next tokens is copied: across
+    # users only its tokens inside the preset (block 2's first two), within a user all of them.
     assert _cached_after(sched, runner, "ada-1", prompt, "ada", 10) == 0
-    assert _cached_after(sched, runner, "ada-2", prompt, "ada", 10) == 16  # her own four full blocks
-    assert _cached_after(sched, runner, "bob-1", prompt, "bob", 10) == 8   # the preset's two, nothing more
-    assert _cached_after(sched, runner, "anon", prompt, None, 0) == 8      # unsalted: the preset, not theirs
-    assert _cached_after(sched, runner, "bob-2", prompt, "bob", 10) == 16  # bob's own, now cached
+    assert _cached_after(sched, runner, "ada-2", prompt, "ada", 10) == 18  # her own four full blocks, 2 of the 5th
+    assert _cached_after(sched, runner, "bob-1", prompt, "bob", 10) == 10  # the preset's two blocks and 2 tokens
+    assert _cached_after(sched, runner, "anon", prompt, None, 0) == 10     # unsalted: the preset, not theirs
+    assert _cached_after(sched, runner, "bob-2", prompt, "bob", 10) == 18  # bob's own, now cached
 
 
 def test_the_same_text_from_another_user_never_hits_even_with_no_shared_prefix():
@@ -241,3 +249,51 @@ def test_the_server_takes_the_hash_flag_and_hits_the_prefix(tiny_model_dir, tmp_
         assert cached[0] == 0 and cached[1] >= 32
     finally:
         server.stop()
+
+
+def test_a_new_chat_copies_the_cached_block_that_begins_with_its_next_tokens():
+    # The system prompt ends 2 tokens into its third block: a new chat hits the two whole blocks,
+    # then copies the first chat's third block and computes from its own first token on.
+    sched, runner = make(num_device_blocks=32)
+    system = SYSTEM[:10]
+    sched.add_request(request("a", system + [30, 31, 32], max_tokens=3, ignore_eos=True))
+    run(sched, runner)
+    a_third = next(b for b in sched.kv.device.registered().values() if b.token_ids[:2] == tuple(system[8:]))
+    b = request("b", system + [40, 41, 42], max_tokens=5, ignore_eos=True)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert b.num_cached_tokens == 10 and out.scheduled[0].start == 10 and out.scheduled[0].num_new_tokens == 3
+    assert out.blocks_to_copy == [(a_third.block_id, b.block_ids[2])] and b.block_ids[2] != a_third.block_id
+    assert out.scheduled[0].new_block_ids == b.block_ids[2:] and len(b.block_ids) == 4
+    assert sched.kv.device.blocks[a_third.block_id].ref_count == 0  # held only while the step was planned
+    sched.update(out, runner.execute(out))  # the runner checks b reads the copied tokens back
+    done = run(sched, runner)
+    assert done["b"].output_token_ids == expected(b, sched.config.max_model_len)
+    assert sched.last_stats.prefix_cache_hits == 10
+
+
+def test_no_copy_when_holding_its_source_would_take_the_last_free_block():
+    # Three blocks in all, two of them the first chat's cached ones: the second chat needs all
+    # three, so it takes the whole first block, computes the rest (no copy) and still finishes.
+    sched, runner = make(num_device_blocks=3)
+    sched.add_request(request("a", [1, 2, 3, 4, 5, 6], max_tokens=3, ignore_eos=True))
+    run(sched, runner)
+    b = request("b", [1, 2, 3, 4, 5, 6, 70, 71, 72, 73, 74], max_tokens=1, ignore_eos=True)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert out.blocks_to_copy == [] and b.num_cached_tokens == 4 and out.scheduled[0].start == 4
+    sched.update(out, runner.execute(out))
+    done = run(sched, runner)
+    assert done["b"].output_token_ids == expected(b, sched.config.max_model_len)
+
+
+def test_a_partial_match_compares_tokens_and_stops_at_the_first_difference():
+    sched, runner = make(num_device_blocks=32)
+    sched.add_request(request("a", SYSTEM[:8] + [30, 31, 32, 33, 34], max_tokens=2, ignore_eos=True))
+    run(sched, runner)
+    for tail, shared in (([30, 99, 32, 33, 34], 1), ([30, 31, 32, 99, 34], 3), ([99, 31, 32, 33, 34], 0)):
+        b = request(f"b{tail[1]}{tail[3]}", SYSTEM[:8] + tail, max_tokens=2, ignore_eos=True)
+        sched.add_request(b)
+        done = run(sched, runner)
+        assert done[b.request_id].num_cached_tokens == 8 + shared
+        assert done[b.request_id].output_token_ids == expected(b, sched.config.max_model_len)

@@ -106,7 +106,8 @@ def test_a_prompt_still_progresses_when_decodes_alone_exceed_the_target():
         sched.observe_step(out, simulated_seconds(out))
         chunks += [(item.num_new_tokens, ready) for item in out.scheduled if item.request_id == "late"]
         assert len(chunks) < 100, "the late prompt made no progress"
-    assert sum(n for n, _ in chunks[:-1]) >= 300  # its prompt done, then its tokens
+    # its prompt done (past the 10 tokens it shares with chat7's, copied from the cache), then its tokens
+    assert late.num_cached_tokens + sum(n for n, _ in chunks[:-1]) >= 300
     fitted = [n for n, ready in chunks[:-1] if ready]
     assert fitted and all(n == 16 for n in fitted[:-1]) and fitted[-1] <= 16
 

@@ -1,16 +1,24 @@
 """The KV-cache manager: which blocks each request holds on the device and, while swapped, on
 the host; prefix-cache lookups; copy-on-write for forked samples; swap plans.
 
+A prompt's prefix is found in two parts: the leading full blocks whose hashes are cached, then,
+in the block after them, the most tokens a cached block under the same parent begins with (its
+K/V for those positions is the same, since they and everything before them are). That block is
+copied into a new one and the prompt computes only past the common tokens. A chat's shared
+system prompt rarely ends on a block boundary: without this, every new chat recomputes the
+prompt's last partial block (up to block_size - 1 tokens; on average half a block).
+
 It decides nothing about who runs (the scheduler does) and moves no bytes (the model runner
 does): it hands back the (src, dst) block pairs to copy.
 """
 from __future__ import annotations
 
-from engine.core.block_hash import DEFAULT_HASH_ALGO, extend_block_hashes
+from engine.core.block_hash import DEFAULT_HASH_ALGO, ROOT_HASH, extend_block_hashes
 from engine.core.block_pool import Block, BlockPool, NoFreeBlocksError
 from engine.core.request import Request
 
 _NONE: list[int] = []  # shared "no new blocks" result: never mutated
+PARTIAL_CANDIDATES = 32  # cached siblings a partial-block lookup compares at most
 
 
 def cdiv(a: int, b: int) -> int:
@@ -27,6 +35,7 @@ class KVCacheManager:
         self.host = BlockPool(num_host_blocks, block_size, caching=False)
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0     # of those, tokens found cached
+        self._pinned: list[Block] = []  # partial hits' sources, held until the step's allocations are done
 
     # ---- prefix cache -------------------------------------------------------------------
     def find_cached_prefix(self, request: Request) -> list[Block]:
@@ -44,6 +53,40 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def find_partial_block(self, request: Request, num_cached_blocks: int) -> tuple[Block, int] | None:
+        """A cached block under the same parent as the request's block `num_cached_blocks` that
+        begins with the most of that block's tokens, and how many (at least one token is left
+        to compute). Across salts only tokens inside both requests' shared prefixes are shared:
+        a user's own tokens are never found from another user's prompt, as with the hashes."""
+        if not self.enable_prefix_caching:
+            return None
+        bs = self.block_size
+        start = num_cached_blocks * bs
+        limit = min(bs, request.num_tokens - 1 - start)
+        if limit <= 0:
+            return None
+        parent = request.block_hashes[num_cached_blocks - 1] if num_cached_blocks else ROOT_HASH
+        tokens = request.all_token_ids[start:start + limit]
+        ours = self._shareable(request, start)
+        best, best_len = None, 0
+        for block in self.device.children(parent, PARTIAL_CANDIDATES):
+            cap = limit if block.salt == request.cache_salt else min(limit, ours, block.shareable)
+            n = 0
+            while n < cap and block.token_ids[n] == tokens[n]:
+                n += 1
+            if n > best_len:
+                best, best_len = block, n
+                if n == limit:
+                    break
+        return (best, best_len) if best is not None else None
+
+    def _shareable(self, request: Request, start: int) -> int:
+        """Of the block starting at token `start`, the leading tokens any request may share:
+        all of them unsalted, else those inside the request's shared prefix."""
+        if request.cache_salt is None:
+            return self.block_size
+        return max(0, min(self.block_size, request.num_shared_prefix_tokens - start))
+
     def _hash_blocks(self, request: Request, num_blocks: int) -> None:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_blocks,
                             request.cache_salt, request.num_shared_prefix_tokens // self.block_size, self.hash_algo)
@@ -59,28 +102,54 @@ class KVCacheManager:
             return
         self._hash_blocks(request, num_full)
         blocks = self.device.blocks
+        bs = self.block_size
+        hashes, tokens = request.block_hashes, request.all_token_ids
         for i in range(request.num_registered_blocks, num_full):
-            self.device.register(blocks[request.block_ids[i]], request.block_hashes[i])
+            self.device.register(blocks[request.block_ids[i]], hashes[i], hashes[i - 1] if i else ROOT_HASH,
+                                 tuple(tokens[i * bs:(i + 1) * bs]), request.cache_salt, self._shareable(request, i * bs))
         request.num_registered_blocks = num_full
 
     # ---- device allocation --------------------------------------------------------------
-    def num_blocks_to_admit(self, request: Request, cached: list[Block], num_new_tokens: int) -> int:
-        """Free device blocks a waiting request would take: new blocks, plus cached hits that
-        currently sit in the free queue (taking them removes them from it)."""
-        num_cached_tokens = len(cached) * self.block_size
+    def num_blocks_to_admit(self, request: Request, cached: list[Block], num_new_tokens: int,
+                            partial: tuple[Block, int] | None = None) -> int:
+        """Free device blocks a waiting request would take: new blocks (the partial hit's copy
+        among them), plus hits that currently sit in the free queue (taking them removes them
+        from it; a partial hit's source is held while the step is planned)."""
+        taken = cached + [partial[0]] if partial else cached
+        num_cached_tokens = len(cached) * self.block_size + (partial[1] if partial else 0)
         new_blocks = cdiv(num_cached_tokens + num_new_tokens, self.block_size) - len(cached)
-        return new_blocks + sum(1 for b in cached if b.ref_count == 0)
+        return new_blocks + sum(1 for b in taken if b.ref_count == 0)
 
-    def admit(self, request: Request, cached: list[Block], num_new_tokens: int) -> list[int]:
-        """Give a waiting request its cached prefix and room for its first chunk. The caller has
+    def admit(self, request: Request, cached: list[Block], num_new_tokens: int,
+              partial: tuple[Block, int] | None = None) -> tuple[list[int], tuple[int, int] | None]:
+        """Give a waiting request its cached prefix and room for its first chunk: the new block
+        ids and, for a partial hit, the (src, dst) pair to copy before the step. The caller has
         checked `num_blocks_to_admit` against the free count."""
         for block in cached:
             self.device.touch(block)
         request.block_ids = [b.block_id for b in cached]
         request.num_registered_blocks = len(cached)
         request.num_computed_tokens = len(cached) * self.block_size
+        if partial is None:
+            new_ids, _ = self.allocate_slots(request, num_new_tokens)
+            return new_ids, None
+        # The source is held until `release_pinned` (the end of the step's planning), so no
+        # allocation made meanwhile can evict it and hand it out before the copy reads it.
+        src, num_tokens = partial
+        self.device.touch(src)
+        self._pinned.append(src)
+        dst = self.device.allocate()
+        dst.num_tokens = num_tokens
+        request.block_ids.append(dst.block_id)
+        request.num_computed_tokens += num_tokens
         new_ids, _ = self.allocate_slots(request, num_new_tokens)
-        return new_ids
+        return [dst.block_id, *new_ids], (src.block_id, dst.block_id)
+
+    def release_pinned(self) -> None:
+        """Let go of the partial hits' sources once the step's allocations are all made."""
+        for block in self._pinned:
+            self.device.free(block)
+        self._pinned.clear()
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> tuple[list[int], tuple[int, int] | None]:
         """Grow the request's block table to hold `num_new_tokens` more tokens. Returns the new

@@ -199,20 +199,30 @@ class Scheduler:
                 hashes = request.block_hashes
                 if len(cached) < len(hashes) and hashes[len(cached)] in in_flight:
                     break  # its next block is being computed for another request: hit it next step
-                num_cached_tokens = len(cached) * cfg.block_size
+                partial = kv.find_partial_block(request, len(cached))
+                num_cached_tokens = len(cached) * cfg.block_size + (partial[1] if partial else 0)
                 num_new = self._chunk(request, request.num_tokens - num_cached_tokens, budget, num_cached_tokens)
-                if num_new == 0 or not self._fits(kv.num_blocks_to_admit(request, cached, num_new)):
+                if num_new == 0:
+                    break
+                if partial and not self._fits(kv.num_blocks_to_admit(request, cached, num_new, partial)):
+                    # Holding the copy's source would take the pool's last free block: compute
+                    # those tokens instead (this step computes fewer than it may, and that is all).
+                    partial, num_cached_tokens = None, len(cached) * cfg.block_size
+                if partial is None and not self._fits(kv.num_blocks_to_admit(request, cached, num_new)):
                     break
                 self.waiting.popleft()
                 kv.record_lookup(request, num_cached_tokens)
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_cached_tokens
-                new_ids = kv.admit(request, cached, num_new)
+                new_ids, copy = kv.admit(request, cached, num_new, partial)
+                if copy is not None:
+                    out.blocks_to_copy.append(copy)
                 self._start_running(request)
                 self._schedule(out, request, num_new, new_ids)
                 budget -= num_new
                 in_flight.update(hashes[len(cached):])
 
+        kv.release_pinned()
         self.num_steps += 1
         return out
 
