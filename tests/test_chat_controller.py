@@ -158,17 +158,18 @@ def test_a_second_turn_hits_the_prefix_cache(chat, store, client):
 
 
 def test_another_user_sending_the_same_text_hits_only_the_preset_blocks(chat, store, client, tokenizer):
-    # The same opening message from two users: the second is served the preset system prompt's
-    # full blocks from the cache, and none of the first user's blocks after them.
+    # The same opening message from two users: the second is served the preset system prompt
+    # from the cache (its full blocks, then its last tokens copied out of the first user's block
+    # after them), and none of the first user's tokens.
     text = "Tell me, in detail, how lighthouses were kept lit before electricity. " * 3
     ada, bob = new_user(), new_user()
     ada_chat = turn(chat, ada, text)[-1].conversation_id
     bob_chat = turn(chat, bob, text)[-1].conversation_id
     system = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}], tokenize=False)
     block = client.info().block_size
-    preset_tokens = len(tokenizer(system, add_special_tokens=False).input_ids) // block * block
+    preset_tokens = len(tokenizer(system, add_special_tokens=False).input_ids)
     ada_first, bob_first = store.messages(ada, ada_chat)[1], store.messages(bob, bob_chat)[1]
-    assert ada_first["prompt_tokens"] == bob_first["prompt_tokens"] >= preset_tokens + 2 * block
+    assert preset_tokens % block and ada_first["prompt_tokens"] == bob_first["prompt_tokens"] >= preset_tokens + 2 * block
     assert bob_first["cached_tokens"] == preset_tokens
     turn(chat, ada, "And after electricity?", ada_chat)
     assert store.messages(ada, ada_chat)[3]["cached_tokens"] >= ada_first["prompt_tokens"] // block * block

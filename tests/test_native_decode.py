@@ -237,7 +237,9 @@ def test_the_engine_decodes_natively_and_greedy_replies_match_the_eager_forward(
     plan_attention = kernels.plan_attention
     monkeypatch.setattr(kernels, "plan_attention", lambda **kw: plans.append(kw["q_lens"]) or plan_attention(**kw))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers."]
+    # (long enough that the three's prompt step, past the first's cached tokens, is over 16 tokens)
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.",
+               "Name three prime numbers, then say briefly why each of them is prime."]
 
     def replies() -> list[list[int]]:
         alone = llm.generate(prompts[:1], params)[0].outputs[0].token_ids
