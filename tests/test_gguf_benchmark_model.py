@@ -44,12 +44,14 @@ def test_gguf_comparison_runs_ours_on_the_file_and_reports_llama_cpp_not_set_up(
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in done.stdout and "Q4_1" in done.stdout  # the table names the file
 
 
-def test_the_same_prompt_work_is_each_chats_tokens_past_the_cached_blocks():
-    """compare.py's llama.cpp run on ours' prompt work: per chat, the tokens past the last full KV
-    block (16 tokens) of the prompts' common prefix, which our prefix cache does not hold."""
+def test_the_same_prompt_work_is_each_chats_tokens_past_the_common_prefix():
+    """compare.py's llama.cpp run on ours' prompt work: per chat, the tokens past the prompts'
+    common prefix, which our prefix cache holds (its full blocks, and the block after them copied
+    from a cached one that begins with the same tokens); at least one token each."""
     from benchmarks.peers.compare import own_prompt_tokens
 
-    shared = list(range(100, 140))  # 40 common tokens: two full blocks cached
-    assert own_prompt_tokens([shared + [1] * 10, shared + [2] * 20]) == ((50 - 32) + (60 - 32)) // 2
-    assert own_prompt_tokens([shared[:15] + [3], shared[:15] + [4, 5, 6]]) == 17  # no full block: whole prompts
-    assert own_prompt_tokens([shared[:32] + [7] * 4, shared[:32] + [8] * 6]) == 5  # a prefix of whole blocks
+    shared = list(range(100, 140))  # 40 common tokens: two full blocks and 8 of the third
+    assert own_prompt_tokens([shared + [1] * 10, shared + [2] * 20]) == (10 + 20) // 2
+    assert own_prompt_tokens([shared[:15] + [3], shared[:15] + [4, 5, 6]]) == 2  # no full block: still shared
+    assert own_prompt_tokens([shared[:32] + [7] * 4, shared[:32] + [8] * 6]) == 5
+    assert own_prompt_tokens([shared, shared]) == 1  # the same prompt: its last token

@@ -17,9 +17,9 @@ and interleaving puts every system through the same stretches.
   sequence (`-pps`), at the workload's mean prompt length; its figure is output tokens over the
   whole run (prompt + generation), as ours is. Its prompts are its own filler tokens (it takes
   no token file): the lengths match the workload's, the ids do not, which does not change the work.
-  That run computes ~235 prompt tokens where ours computes ~1,400 (each chat's own tokens past the
-  shared prompt's cached blocks), so a second 32-chat run gives every chat that many tokens of its
-  own, without the shared prompt and -pps: the same prompt work as ours (`own_prompts_tok_s`).
+  That run computes ~235 prompt tokens where ours computes ~640 (each chat's own ~20 tokens past
+  the shared prompt, which is cached), so a second 32-chat run gives every chat that many tokens
+  of its own, without the shared prompt and -pps: the same prompt work as ours (`own_prompts_tok_s`).
 
 Also measured on the spot: main-memory read bandwidth (a sum over 1 GiB on all cores, best of 5),
 and from it each system's single-chat share of the bound one chat's decode has (every weight read
@@ -172,14 +172,12 @@ def llamacpp(build: Path, workload: Path, dtype: str, output_tokens: int, model:
 
 def own_prompt_tokens(prompts: list[list[int]]) -> int:
     """The mean prompt tokens ours computes per chat once the shared prefix is cached: those past
-    the last full KV block (the engine's block size) of the prompts' common prefix."""
-    from engine.core.config import SchedulerConfig
-
+    the prompts' common prefix (its full blocks are hit, the block after them copied from a cached
+    block that begins with the same tokens), at least the last."""
     common = 0
     while all(len(p) > common and p[common] == prompts[0][common] for p in prompts):
         common += 1
-    cached = common // SchedulerConfig.block_size * SchedulerConfig.block_size
-    return round(statistics.mean(len(p) - cached for p in prompts))
+    return round(statistics.mean(max(len(p) - common, 1) for p in prompts))
 
 
 def weight_bytes(dtype: str) -> int:
