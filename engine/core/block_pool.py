@@ -12,8 +12,8 @@ tokens (`children`): the tail of a shared system prompt that does not fill a blo
 from __future__ import annotations
 
 from collections import OrderedDict
-from itertools import islice
 from dataclasses import dataclass
+from itertools import islice
 
 
 class NoFreeBlocksError(RuntimeError):
