@@ -77,14 +77,15 @@ def _check_pool(pool: BlockPool, refs: Counter[int], name: str) -> None:
         _check(pool.blocks[bid].block_hash is not None, f"{name} block {bid} is cached-free without a hash")
     for bid in plain:
         _check(pool.blocks[bid].block_hash is None, f"{name} block {bid} is plain-free but keeps a hash")
-    for block_hash, block in pool.registered().items():
+    registered = pool.registered()
+    listed = {child.block_id: parent for parent in {b.parent_hash for b in pool.blocks if b.parent_hash is not None}
+              for child in pool.children(parent, pool.num_blocks)}
+    for block_hash, block in registered.items():
         _check(block.block_hash == block_hash, f"{name}: the hash table points at block {block.block_id} wrongly")
         if block.parent_hash is not None:
-            _check(any(child is block for child in pool.children(block.parent_hash, pool.num_blocks)),
+            _check(listed.get(block.block_id) == block.parent_hash,
                    f"{name} block {block.block_id} is registered but not among its parent's children")
-    listed = [child for parent in {b.parent_hash for b in pool.blocks if b.parent_hash is not None}
-              for child in pool.children(parent, pool.num_blocks)]
-    _check(all(pool.registered().get(child.block_hash) is child for child in listed),
+    _check(all(registered.get(pool.blocks[bid].block_hash) is pool.blocks[bid] for bid in listed),
            f"{name}: a block no longer registered is still among its parent's children")
     if pool.caching:
         hashed = [b for b in pool.blocks if b.block_hash is not None]
