@@ -50,6 +50,10 @@ class EngineCore:
         self.dtype = resolve_dtype(dtype, self.device, model_dtype(model) if dtype in (None, "auto") else None)
         # A GGUF file's quantized weights: kept quantized on a CPU (native) or dequantized at load.
         self.quantization, why = resolve_quantization(quantization, model, self.device, self.dtype)
+        if self.quantization == "native" and dtype in (None, "auto"):
+            # The native loops take and give fp32: bf16 activations (auto's pick on an AVX-512
+            # BF16 CPU) would only round them, and leave out the native decode layers.
+            self.dtype = torch.float32
         checkpoint = load_checkpoint(model, self.dtype, quantized=self.quantization == "native")
         self._model = model
         self.model_name = model or os.environ.get("MODEL") or DEFAULT_MODEL_NAME

@@ -31,6 +31,16 @@
 #define PAIRS (CHUNK / 2)  /* k pairs a chunk holds */
 #define PASS_ROWS 128  /* rows a pass over the weights serves at most (see qlinear_batch_in_region) */
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* With AVX-512 VNNI a tile takes WIDE_ROWS rows of 2 or 4 lane blocks: one vpdpwssd multiplies 2 k
+   of 16 output features (two blocks) and adds them into its sums, where AVX2 needs a multiply-add
+   and an add for 8; its 32 registers hold 4 blocks x 6 rows of sums and float sums. */
+#define SLAB_BLOCKS 4  /* lane blocks a slab (and a unit of work) holds */
+#define WIDE_ROWS 6
+#else
+#define SLAB_BLOCKS TILE_BLOCKS
+#endif
+
 typedef struct {
     const int16_t *x; const float *dx; const float *xsum;  /* x [rows, in] int16, dx and xsum [rows, chunks] */
     int64_t in, chunks, rows;
@@ -176,11 +186,78 @@ static inline __attribute__((always_inline)) void tiles(const Batch *a, const in
     else if (a->rows - r == 1) tile(a, w, scales, offsets, b, c0, n, r, NBT, 1, GS);
 }
 
-/* Lane blocks b .. b+nb-1, all rows: y zeroed, then slab by slab. */
+#ifdef WIDE_ROWS
+/* As tile, for rows r0 .. r0+MTT-1 of ZB pairs of lane blocks, the slab's blocks first ..
+   first+2ZB-1 (nb to a k pair): a pair of blocks' k pair is one 512-bit load, and its scales and
+   offsets, and its outputs, 16 consecutive floats. */
+static inline __attribute__((always_inline)) void tile_wide(const Batch *a, const int16_t *w, const float *scales,
+                                                            const float *offsets, int64_t b, int first, int nb,
+                                                            int64_t c0, int64_t n, int64_t r0,
+                                                            const int ZB, const int MTT, const int GS) {
+    const int16_t *x0 = a->x + r0 * a->in;
+    __m512 sum[2][WIDE_ROWS];
+    for (int i = 0; i < ZB; i++)
+        for (int r = 0; r < MTT; r++) sum[i][r] = _mm512_setzero_ps();
+    for (int64_t c = c0; c < c0 + n; c++) {
+        for (int h = 0; h < CHUNK / GS; h++) {
+            __m512i acc[2][WIDE_ROWS];
+            for (int i = 0; i < ZB; i++)
+                for (int r = 0; r < MTT; r++) acc[i][r] = _mm512_setzero_si512();
+            const int16_t *wg = w + ((c - c0) * PAIRS + h * GS / 2) * nb * 16 + first * 16, *xg = x0 + c * CHUNK + h * GS;
+            _Pragma("GCC unroll 16")
+            for (int j = 0; j < GS / 2; j++) {
+                __m512i wv[2];
+                for (int i = 0; i < ZB; i++) wv[i] = _mm512_load_si512((const void *)(wg + j * nb * 16 + i * 32));
+                for (int r = 0; r < MTT; r++) {
+                    int32_t pair;
+                    memcpy(&pair, xg + r * a->in + 2 * j, 4);
+                    const __m512i xb = _mm512_set1_epi32(pair);
+                    for (int i = 0; i < ZB; i++) acc[i][r] = _mm512_dpwssd_epi32(acc[i][r], wv[i], xb);
+                }
+            }
+            for (int i = 0; i < ZB; i++) {
+                const __m512 scale = _mm512_loadu_ps(scales + (((c - c0) * 2 + h) * nb + first + 2 * i) * LANES);
+                for (int r = 0; r < MTT; r++)
+                    sum[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][r]),
+                                                _mm512_mul_ps(scale, _mm512_set1_ps(a->dx[(r0 + r) * a->chunks + c])), sum[i][r]);
+            }
+        }
+        if (offsets)
+            for (int i = 0; i < ZB; i++) {
+                const __m512 offset = _mm512_loadu_ps(offsets + ((c - c0) * nb + first + 2 * i) * LANES);
+                for (int r = 0; r < MTT; r++)
+                    sum[i][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a->xsum[(r0 + r) * a->chunks + c]), sum[i][r]);
+            }
+    }
+    for (int i = 0; i < ZB; i++)
+        for (int r = 0; r < MTT; r++) {
+            float *y = a->y + (r0 + r) * a->y_stride + (b + first + 2 * i) * LANES;
+            _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), sum[i][r]));
+        }
+}
+
+/* All rows in tiles of at most WIDE_ROWS, as even as they divide (32 rows: 6, 6, 5, 5, 5, 5). */
+static inline __attribute__((always_inline)) void tiles_wide(const Batch *a, const int16_t *w, const float *scales,
+                                                             const float *offsets, int64_t b, int first, int nb,
+                                                             int64_t c0, int64_t n, const int ZB, const int GS) {
+    const int64_t count = (a->rows + WIDE_ROWS - 1) / WIDE_ROWS;
+    for (int64_t t = 0, r = 0; t < count; t++) {
+        const int64_t rows = a->rows * (t + 1) / count - a->rows * t / count;
+        switch (rows) {
+            #define ROWS(M) case M: tile_wide(a, w, scales, offsets, b, first, nb, c0, n, r, ZB, M, GS); break;
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
+            #undef ROWS
+        }
+        r += rows;
+    }
+}
+#endif
+
+/* Lane blocks b .. b+nb-1 (nb <= SLAB_BLOCKS), all rows: y zeroed, then slab by slab. */
 static void blocks(const Batch *a, int64_t b, int nb) {
-    int16_t w[SLAB * PAIRS * TILE_BLOCKS * 16] __attribute__((aligned(32)));
-    float scales[SLAB * 2 * TILE_BLOCKS * LANES] __attribute__((aligned(32)));
-    float offsets[SLAB * TILE_BLOCKS * LANES] __attribute__((aligned(32)));
+    int16_t w[SLAB * PAIRS * SLAB_BLOCKS * 16] __attribute__((aligned(64)));
+    float scales[SLAB * 2 * SLAB_BLOCKS * LANES] __attribute__((aligned(64)));
+    float offsets[SLAB * SLAB_BLOCKS * LANES] __attribute__((aligned(64)));
     const Part *p = a->p;
     const int gs = (int)p->gs, per_chunk = CHUNK / gs;  /* groups a chunk holds */
     for (int64_t r = 0; r < a->rows; r++) memset(a->y + r * a->y_stride + b * LANES, 0, nb * LANES * sizeof(float));
@@ -194,8 +271,22 @@ static void blocks(const Batch *a, int64_t b, int nb) {
             if (p->dm) group_factors(a, p->dm, p->mn, b + i, c0, n, offsets + i * LANES, nb * LANES);
         }
         const float *o = p->dm ? offsets : NULL;
+#ifdef WIDE_ROWS
+        if (nb == 4) { if (gs == 16) tiles_wide(a, w, scales, o, b, 0, 4, c0, n, 2, 16); else tiles_wide(a, w, scales, o, b, 0, 4, c0, n, 2, 32); continue; }
+        if (nb == 2) { if (gs == 16) tiles_wide(a, w, scales, o, b, 0, 2, c0, n, 1, 16); else tiles_wide(a, w, scales, o, b, 0, 2, c0, n, 1, 32); continue; }
+#endif
         if (nb == 2) { if (gs == 16) tiles(a, w, scales, o, b, c0, n, 2, 16); else tiles(a, w, scales, o, b, c0, n, 2, 32); }
         else         { if (gs == 16) tiles(a, w, scales, o, b, c0, n, 1, 16); else tiles(a, w, scales, o, b, c0, n, 1, 32); }
+    }
+}
+
+/* Lane blocks b .. b+count-1 (count <= SLAB_BLOCKS) in slabs the tiles take whole: 4 (with
+   AVX-512), 2 or 1 blocks. */
+static void unit(const Batch *a, int64_t b, int64_t count) {
+    while (count > 0) {
+        const int nb = count >= SLAB_BLOCKS ? SLAB_BLOCKS : count >= 2 ? 2 : 1;
+        blocks(a, b, nb);
+        b += nb, count -= nb;
     }
 }
 
@@ -245,13 +336,16 @@ int qlinear_batch_in_region(const float *x, int64_t rows, int64_t x_stride, int6
             const Part *p = &parts[k];
             const Batch a = {xq + r0 * in, scratch->dx + r0 * chunks, scratch->xsum + r0 * chunks, in, chunks, n, p,
                              in / p->gs, in / p->gs / p->sg, y + r0 * y_stride + p->column, y_stride};
-            const int64_t pairs = (p->blocks + 1) / 2;
-            /* Handed out 4 pairs at a time, not in two fixed halves: on a shared host one core
+            const int64_t units = (p->blocks + SLAB_BLOCKS - 1) / SLAB_BLOCKS;
+            /* Handed out 8 blocks at a time, not in two fixed halves: on a shared host one core
                often runs slower for a while, and the other then waited at the barrier (~10% of
                the time in libgomp at 32 rows; a decode step's matmuls 1.05-1.07x faster in two of three
                A/B runs, level in the third). */
-            #pragma omp for schedule(dynamic, 4)
-            for (int64_t i = 0; i < pairs; i++) blocks(&a, 2 * i, 2 * i + 1 < p->blocks ? 2 : 1);
+            #pragma omp for schedule(dynamic, 8 / SLAB_BLOCKS)
+            for (int64_t i = 0; i < units; i++) {
+                const int64_t b = i * SLAB_BLOCKS;
+                unit(&a, b, p->blocks - b < SLAB_BLOCKS ? p->blocks - b : SLAB_BLOCKS);
+            }
         }
     }
     return 1;
