@@ -107,7 +107,9 @@ def roles(store: Store, user: str, conversation_id: int) -> list[str]:
 
 
 # ---- send ------------------------------------------------------------------------------------------
-def test_send_streams_a_growing_reply_then_stores_both_sides_with_metrics(chat, store, client):
+def test_send_streams_a_growing_reply_then_stores_both_sides_with_metrics(chat, store, client, slow_engine):
+    # slow_engine: steps 5 ms apart, so the reply's tokens reach the page apart on a CPU fast enough
+    # to write all 24 before the page draws its second view (a Zen 5 did: two views)
     user = new_user()
     views = turn(chat, user, "  Tell me about paged attention please  ", max_tokens=24)
 

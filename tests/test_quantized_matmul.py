@@ -68,18 +68,32 @@ def test_matmul_equals_dequantize_then_matmul(qtype, rows, levels):
     assert (ours - exact).norm() < (0.02 if levels == 1 else 1e-4) * exact.norm()
 
 
-@pytest.fixture(scope="module")
-def portable_library(tmp_path_factory):
-    """qmatmul.c built for a plain x86-64 (no AVX2): its one-lane-at-a-time spelling."""
-    if platform.machine() != "x86_64":
-        pytest.skip("the portable build is checked on x86-64")
-    out = tmp_path_factory.mktemp("portable") / "qmatmul.so"
-    flags = [flag for flag in native.FLAGS if flag != "-march=native"] + ["-march=x86-64"]
+def build_library(folder, march: str):
+    """The native library built for `-march=<march>` instead of this CPU's own instructions."""
+    out = folder / "qmatmul.so"
+    flags = [flag for flag in native.FLAGS if flag != "-march=native"] + [f"-march={march}"]
     subprocess.run([native._compiler(), *flags, "-o", str(out), *map(str, native.SOURCES), "-lm"], check=True)
     lib = ctypes.CDLL(str(out))
     for name, argtypes in native._SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
     return lib
+
+
+@pytest.fixture(scope="module")
+def portable_library(tmp_path_factory):
+    """qmatmul.c built for a plain x86-64 (no AVX2): its one-lane-at-a-time spelling."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the portable build is checked on x86-64")
+    return build_library(tmp_path_factory.mktemp("portable"), "x86-64")
+
+
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory):
+    """The library built for AVX2 alone (x86-64-v3): on a CPU with AVX-512 VNNI the native build
+    takes the batch loops' 512-bit tiles, and this one the 256-bit tiles an AVX2 CPU runs."""
+    if platform.machine() != "x86_64" or " avx2" not in native._cpu_flags():
+        pytest.skip("the AVX2 build runs on an x86-64 CPU with AVX2")
+    return build_library(tmp_path_factory.mktemp("avx2"), "x86-64-v3")
 
 
 @pytest.mark.parametrize("levels", [1, 2])
@@ -91,6 +105,18 @@ def test_the_portable_spelling_computes_the_same(qtype, levels, portable_library
     # the same integer sums, the float products taken in another order
     torch.testing.assert_close(matmul(x, [matrix], levels, lib=portable_library), fast,
                                rtol=1e-4, atol=1e-5 * float(fast.abs().max()))
+
+
+@pytest.mark.parametrize("out", [OUT, 56])  # 56: 7 blocks, a unit of 4 then 2 and 1
+@pytest.mark.parametrize("rows", [5, 32, 260])
+@pytest.mark.parametrize("qtype", gguf_formats.QUANTIZED_TYPES, ids=lambda t: t.name)
+def test_the_avx2_build_computes_the_same(qtype, rows, out, avx2_library):
+    """Whichever loops this CPU takes (AVX-512 or AVX2), the AVX2 ones agree with them: the same
+    integer sums of each group, scaled and added in another order."""
+    matrix, _ = matrix_of(qtype, rows=out)
+    x = torch.randn(rows, matrix.in_features, generator=torch.Generator().manual_seed(rows))
+    fast = matmul(x, [matrix])
+    torch.testing.assert_close(matmul(x, [matrix], lib=avx2_library), fast, rtol=1e-4, atol=1e-5 * float(fast.abs().max()))
 
 
 @pytest.mark.parametrize("rows", [3, 20, 260])  # 260: the batch loops in three passes over the parts
