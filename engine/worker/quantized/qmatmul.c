@@ -65,7 +65,12 @@ static inline __m256 load_factor(const Args *a, const _Float16 *per_super, const
 }
 
 #ifndef PREFETCH
-#define PREFETCH 2048
+#ifdef __AVX512F__  /* a newer core, more bandwidth: on Zen 5 one chat's decode ran 1.05-1.13x faster at
+                       4096 than at 2048 (1B Q4_K_M and Q8_0, alternated; 3072-6144 level) */
+#define PREFETCH 4096
+#else
+#define PREFETCH 2048  /* Zen 3 */
+#endif
 #endif
 
 static inline __m256i broadcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
