@@ -39,23 +39,28 @@ static inline __m256 dot8(const float *q, const float *k, int64_t dim) {
    scaled, into scores; returns their maximum. */
 static inline float block_scores(const float *query, const float *k, int64_t n, int64_t block_size, int64_t dim,
                                  float scale, float *scores) {
+    /* maxima by comparison, not fmaxf: without -ffast-math gcc calls libm's for each (its NaN
+       rule), which was most of the attention's time in a 32-chat step (Zen 5) */
     float top = -INFINITY;
     int64_t t = 0;
 #ifdef __AVX2__
-    if (dim % 8 == 0)  /* 8 keys at a time while the block holds 8 rows (past n: masked out) */
+    if (dim % 8 == 0) {  /* 8 keys at a time while the block holds 8 rows (past n: masked out) */
+        __m256 tops = _mm256_set1_ps(-INFINITY);
         for (; t < n && t + 8 <= block_size; t += 8) {
             const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)(n - t)), _CMP_LT_OQ);
             const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
                                               _mm256_mul_ps(dot8(query, k + t * dim, dim), _mm256_set1_ps(scale)), valid);
             _mm256_storeu_ps(scores + t, v);
-            float lanes[8];
-            _mm256_storeu_ps(lanes, v);
-            for (int i = 0; i < 8; i++) top = fmaxf(top, lanes[i]);
+            tops = _mm256_max_ps(tops, v);
         }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, tops);
+        for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+    }
 #endif
     for (; t < n; t++) {
         scores[t] = dot(query, k + t * dim, dim) * scale;
-        top = fmaxf(top, scores[t]);
+        top = scores[t] > top ? scores[t] : top;
     }
     return top;
 }
