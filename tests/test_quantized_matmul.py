@@ -87,13 +87,19 @@ def portable_library(tmp_path_factory):
     return build_library(tmp_path_factory.mktemp("portable"), "x86-64")
 
 
-@pytest.fixture(scope="module")
-def avx2_library(tmp_path_factory):
-    """The library built for AVX2 alone (x86-64-v3): on a CPU with AVX-512 VNNI the native build
-    takes the batch loops' 512-bit tiles, and this one the 256-bit tiles an AVX2 CPU runs."""
-    if platform.machine() != "x86_64" or " avx2" not in native._cpu_flags():
-        pytest.skip("the AVX2 build runs on an x86-64 CPU with AVX2")
-    return build_library(tmp_path_factory.mktemp("avx2"), "x86-64-v3")
+# Builds for other instruction sets this CPU can also run, each held to the native build's results:
+# AVX2 alone (x86-64-v3: the batch loops' 256-bit tiles, which an AVX-512 build leaves out), and
+# AVX-512 VNNI without VBMI (Cascade Lake: the 512-bit tiles with the AVX2 unpacking).
+OTHER_BUILDS = {"x86-64-v3": ("avx2", "fma", "f16c"), "cascadelake": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")}
+
+
+@pytest.fixture(scope="module", params=sorted(OTHER_BUILDS))
+def other_library(request, tmp_path_factory):
+    flags = native._cpu_flags().split()
+    missing = [flag for flag in OTHER_BUILDS[request.param] if flag not in flags]
+    if platform.machine() != "x86_64" or missing:
+        pytest.skip(f"the {request.param} build needs {', '.join(missing) or 'x86-64'}")
+    return build_library(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.mark.parametrize("levels", [1, 2])
@@ -110,13 +116,13 @@ def test_the_portable_spelling_computes_the_same(qtype, levels, portable_library
 @pytest.mark.parametrize("out", [OUT, 56])  # 56: 7 blocks, a unit of 4 then 2 and 1
 @pytest.mark.parametrize("rows", [5, 32, 260])
 @pytest.mark.parametrize("qtype", gguf_formats.QUANTIZED_TYPES, ids=lambda t: t.name)
-def test_the_avx2_build_computes_the_same(qtype, rows, out, avx2_library):
-    """Whichever loops this CPU takes (AVX-512 or AVX2), the AVX2 ones agree with them: the same
-    integer sums of each group, scaled and added in another order."""
+def test_other_instruction_sets_compute_the_same(qtype, rows, out, other_library):
+    """Whichever loops this CPU's build takes, the other builds' agree with them: the same integer
+    sums of each group, scaled and added in another order."""
     matrix, _ = matrix_of(qtype, rows=out)
     x = torch.randn(rows, matrix.in_features, generator=torch.Generator().manual_seed(rows))
     fast = matmul(x, [matrix])
-    torch.testing.assert_close(matmul(x, [matrix], lib=avx2_library), fast, rtol=1e-4, atol=1e-5 * float(fast.abs().max()))
+    torch.testing.assert_close(matmul(x, [matrix], lib=other_library), fast, rtol=1e-4, atol=1e-5 * float(fast.abs().max()))
 
 
 @pytest.mark.parametrize("rows", [3, 20, 260])  # 260: the batch loops in three passes over the parts

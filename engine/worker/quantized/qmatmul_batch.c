@@ -120,7 +120,8 @@ static inline __attribute__((always_inline)) void unpack_bits(const Batch *a, in
         }
 }
 
-#ifdef WIDE_ROWS
+#if defined(WIDE_ROWS) && defined(__AVX512VBMI__)  /* the byte permute: Ice Lake, Zen 4 and later, not Cascade Lake */
+#define UNPACK_PAIRS
 /* unpack_bits for an even nb with AVX-512: a quad of two neighbouring blocks at once, one byte
    permute putting both blocks' k 0, 1 in the low half and k 2, 3 in the high half, then widened to
    int16 (two stores where unpack_bits takes four, with half the shuffles). */
@@ -150,7 +151,7 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
 #endif
 
 static void unpack(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n, int16_t *w) {
-#ifdef WIDE_ROWS
+#ifdef UNPACK_PAIRS
     if (nb % 2 == 0) {
         if (a->p->bits == 4) unpack_pairs_bits(a, b, nb, c0, n, w, 4);
         else if (a->p->bits == 6) unpack_pairs_bits(a, b, nb, c0, n, w, 6);
