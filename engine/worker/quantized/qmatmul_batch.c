@@ -234,13 +234,12 @@ static inline __attribute__((always_inline)) void tiles(const Batch *a, const in
 }
 
 #ifdef WIDE_ROWS
-/* As tile, for rows r0 .. r0+MTT-1 of ZB pairs of lane blocks, the slab's blocks first ..
-   first+2ZB-1 (nb to a k pair): a pair of blocks' k pair is one 512-bit load, and its scales and
-   offsets, and its outputs, 16 consecutive floats. */
+/* As tile, for rows r0 .. r0+MTT-1 of the slab's nb = 2 ZB lane blocks: a pair of blocks' k pair
+   is one 512-bit load, and its scales and offsets, and its outputs, 16 consecutive floats. */
 static inline __attribute__((always_inline)) void tile_wide(const Batch *a, const int16_t *w, const float *scales,
-                                                            const float *offsets, int64_t b, int first, int nb,
-                                                            int64_t c0, int64_t n, int64_t r0,
-                                                            const int ZB, const int MTT, const int GS) {
+                                                            const float *offsets, int64_t b, int64_t c0, int64_t n,
+                                                            int64_t r0, const int ZB, const int MTT, const int GS) {
+    const int nb = 2 * ZB;
     const int16_t *x0 = a->x + r0 * a->in;
     __m512 sum[2][WIDE_ROWS];
     for (int i = 0; i < ZB; i++)
@@ -250,7 +249,7 @@ static inline __attribute__((always_inline)) void tile_wide(const Batch *a, cons
             __m512i acc[2][WIDE_ROWS];
             for (int i = 0; i < ZB; i++)
                 for (int r = 0; r < MTT; r++) acc[i][r] = _mm512_setzero_si512();
-            const int16_t *wg = w + ((c - c0) * PAIRS + h * GS / 2) * nb * 16 + first * 16, *xg = x0 + c * CHUNK + h * GS;
+            const int16_t *wg = w + ((c - c0) * PAIRS + h * GS / 2) * nb * 16, *xg = x0 + c * CHUNK + h * GS;
             _Pragma("GCC unroll 16")
             for (int j = 0; j < GS / 2; j++) {
                 __m512i wv[2];
@@ -263,7 +262,7 @@ static inline __attribute__((always_inline)) void tile_wide(const Batch *a, cons
                 }
             }
             for (int i = 0; i < ZB; i++) {
-                const __m512 scale = _mm512_loadu_ps(scales + (((c - c0) * 2 + h) * nb + first + 2 * i) * LANES);
+                const __m512 scale = _mm512_loadu_ps(scales + (((c - c0) * 2 + h) * nb + 2 * i) * LANES);
                 for (int r = 0; r < MTT; r++)
                     sum[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][r]),
                                                 _mm512_mul_ps(scale, _mm512_set1_ps(a->dx[(r0 + r) * a->chunks + c])), sum[i][r]);
@@ -271,27 +270,27 @@ static inline __attribute__((always_inline)) void tile_wide(const Batch *a, cons
         }
         if (offsets)
             for (int i = 0; i < ZB; i++) {
-                const __m512 offset = _mm512_loadu_ps(offsets + ((c - c0) * nb + first + 2 * i) * LANES);
+                const __m512 offset = _mm512_loadu_ps(offsets + ((c - c0) * nb + 2 * i) * LANES);
                 for (int r = 0; r < MTT; r++)
                     sum[i][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a->xsum[(r0 + r) * a->chunks + c]), sum[i][r]);
             }
     }
     for (int i = 0; i < ZB; i++)
         for (int r = 0; r < MTT; r++) {
-            float *y = a->y + (r0 + r) * a->y_stride + (b + first + 2 * i) * LANES;
+            float *y = a->y + (r0 + r) * a->y_stride + (b + 2 * i) * LANES;
             _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), sum[i][r]));
         }
 }
 
 /* All rows in tiles of at most WIDE_ROWS, as even as they divide (32 rows: 6, 6, 5, 5, 5, 5). */
 static inline __attribute__((always_inline)) void tiles_wide(const Batch *a, const int16_t *w, const float *scales,
-                                                             const float *offsets, int64_t b, int first, int nb,
-                                                             int64_t c0, int64_t n, const int ZB, const int GS) {
+                                                             const float *offsets, int64_t b, int64_t c0, int64_t n,
+                                                             const int ZB, const int GS) {
     const int64_t count = (a->rows + WIDE_ROWS - 1) / WIDE_ROWS;
     for (int64_t t = 0, r = 0; t < count; t++) {
         const int64_t rows = a->rows * (t + 1) / count - a->rows * t / count;
         switch (rows) {
-            #define ROWS(M) case M: tile_wide(a, w, scales, offsets, b, first, nb, c0, n, r, ZB, M, GS); break;
+            #define ROWS(M) case M: tile_wide(a, w, scales, offsets, b, c0, n, r, ZB, M, GS); break;
             ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
             #undef ROWS
         }
@@ -319,8 +318,8 @@ static void blocks(const Batch *a, int64_t b, int nb) {
         }
         const float *o = p->dm ? offsets : NULL;
 #ifdef WIDE_ROWS
-        if (nb == 4) { if (gs == 16) tiles_wide(a, w, scales, o, b, 0, 4, c0, n, 2, 16); else tiles_wide(a, w, scales, o, b, 0, 4, c0, n, 2, 32); continue; }
-        if (nb == 2) { if (gs == 16) tiles_wide(a, w, scales, o, b, 0, 2, c0, n, 1, 16); else tiles_wide(a, w, scales, o, b, 0, 2, c0, n, 1, 32); continue; }
+        if (nb == 4) { if (gs == 16) tiles_wide(a, w, scales, o, b, c0, n, 2, 16); else tiles_wide(a, w, scales, o, b, c0, n, 2, 32); continue; }
+        if (nb == 2) { if (gs == 16) tiles_wide(a, w, scales, o, b, c0, n, 1, 16); else tiles_wide(a, w, scales, o, b, c0, n, 1, 32); continue; }
 #endif
         if (nb == 2) { if (gs == 16) tiles(a, w, scales, o, b, c0, n, 2, 16); else tiles(a, w, scales, o, b, c0, n, 2, 32); }
         else         { if (gs == 16) tiles(a, w, scales, o, b, c0, n, 1, 16); else tiles(a, w, scales, o, b, c0, n, 1, 32); }
