@@ -140,6 +140,27 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
         2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31,
         66, 67, 70, 71, 74, 75, 78, 79, 82, 83, 86, 87, 90, 91, 94, 95};
     const __m512i pick = _mm512_load_si512((const void *)order);
+    if (BITS == 4) {
+        /* quads t and t + 4 are one load's low and high nibbles: permuted once, then split */
+        const __m512i low4 = _mm512_set1_epi8(15);
+        for (int64_t c = c0; c < c0 + n; c++)
+            for (int i = 0; i < nb; i += 2) {
+                const uint8_t *at = a->p->q + ((b + i) * a->chunks + c) * 128;
+                _Pragma("GCC unroll 4")
+                for (int t = 0; t < 4; t++) {
+                    const __m512i both = _mm512_permutex2var_epi8(
+                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(at + t * 32))), pick,
+                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(at + a->chunks * 128 + t * 32))));
+                    const __m512i nibbles[2] = {_mm512_and_si512(both, low4), _mm512_and_si512(_mm512_srli_epi16(both, 4), low4)};
+                    for (int h = 0; h < 2; h++) {
+                        int16_t *out = w + ((c - c0) * PAIRS + 2 * (t + 4 * h)) * nb * 16 + i * 16;
+                        _mm512_store_si512((void *)out, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(nibbles[h])));
+                        _mm512_store_si512((void *)(out + nb * 16), _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(nibbles[h], 1)));
+                    }
+                }
+            }
+        return;
+    }
     for (int64_t c = c0; c < c0 + n; c++)
         for (int i = 0; i < nb; i += 2) {
             _Pragma("GCC unroll 8")
