@@ -145,12 +145,13 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
         const __m512i low4 = _mm512_set1_epi8(15);
         for (int64_t c = c0; c < c0 + n; c++)
             for (int i = 0; i < nb; i += 2) {
-                const uint8_t *at = a->p->q + ((b + i) * a->chunks + c) * 128;
+                const int64_t bytes = 4 * 32;  /* a chunk of a block: 4 quads of 32 bytes */
+                const uint8_t *at = a->p->q + ((b + i) * a->chunks + c) * bytes, *next = at + a->chunks * bytes;
                 _Pragma("GCC unroll 4")
                 for (int t = 0; t < 4; t++) {
                     const __m512i both = _mm512_permutex2var_epi8(
                         _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(at + t * 32))), pick,
-                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(at + a->chunks * 128 + t * 32))));
+                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(next + t * 32))));
                     const __m512i nibbles[2] = {_mm512_and_si512(both, low4), _mm512_and_si512(_mm512_srli_epi16(both, 4), low4)};
                     for (int h = 0; h < 2; h++) {
                         int16_t *out = w + ((c - c0) * PAIRS + 2 * (t + 4 * h)) * nb * 16 + i * 16;
@@ -170,8 +171,8 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
                     _mm512_castsi256_si512(quad(a->p, a->chunks, b + i + 1, c, t, BITS)));
                 int16_t *out = w + ((c - c0) * PAIRS + 2 * t) * nb * 16 + i * 16;
                 const __m256i k01 = _mm512_castsi512_si256(both), k23 = _mm512_extracti64x4_epi64(both, 1);
-                _mm512_store_si512((void *)out, BITS == 4 ? _mm512_cvtepu8_epi16(k01) : _mm512_cvtepi8_epi16(k01));
-                _mm512_store_si512((void *)(out + nb * 16), BITS == 4 ? _mm512_cvtepu8_epi16(k23) : _mm512_cvtepi8_epi16(k23));
+                _mm512_store_si512((void *)out, _mm512_cvtepi8_epi16(k01));  /* 6- and 8-bit quants: signed */
+                _mm512_store_si512((void *)(out + nb * 16), _mm512_cvtepi8_epi16(k23));
             }
         }
 }
