@@ -26,10 +26,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-@pytest.mark.parametrize("heads, kv_heads, block_size", [(6, 2, 4), (4, 4, 16), (9, 3, 16)])
-def test_a_batch_of_decodes_attends_as_the_reference_does(heads, kv_heads, block_size):
+# blocks of 4 keys take the 8-wide loops; of 16 and 32, on AVX-512, the 16-key loops (head dims 64, 128)
+@pytest.mark.parametrize("heads, kv_heads, block_size, dim", [(6, 2, 4, 64), (4, 4, 16, 64), (9, 3, 16, 64),
+                                                              (32, 8, 32, 128), (7, 1, 16, 64)])
+def test_a_batch_of_decodes_attends_as_the_reference_does(heads, kv_heads, block_size, dim):
     generator = torch.Generator().manual_seed(heads * block_size)
-    dim, num_blocks, layers = 64, 40, 2
+    num_blocks, layers = 40, 2
     contexts = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 2, 7 * block_size]
     # the engine's cache ([blocks, layers, K/V, kv heads, block size, dim]); layer 1's views
     cache = torch.randn(num_blocks, layers, 2, kv_heads, block_size, dim, generator=generator)

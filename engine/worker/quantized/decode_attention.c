@@ -117,9 +117,132 @@ void attend_finish(int64_t rep, int64_t dim, const float *total, float *out) {
         for (int64_t i = 0; i < dim; i++) out[r * dim + i] /= total[r];
 }
 
+#ifdef __AVX512F__
+/* The wide path (AVX-512, head dims 64 and 128, blocks of a multiple of 16 keys): 16 keys at a
+   time for all `rep` query heads, the scores in one register per head, each key's K and V row
+   loaded once per head from L1 and the values summed into the heads' outputs held in registers.
+   The narrow path above takes each query head through a block on its own, in 8-wide vectors,
+   with its weights summed one by one: ~11% of the FMA rate from memory, ~21% from L2 (Zen 5).
+   Here: 1.5x its speed from L2, and with the next 16 keys' K and V asked for ahead, 1.6-1.9x
+   from memory (32 chats x 280 keys, one layer, 2 threads: 1.43-1.66 -> 0.87-0.90 ms; asking 32
+   keys ahead: the same); a 32-chat decode step of the 1B Q4_K_M 1.03-1.06x faster. */
+
+/* e^x for x <= 0, 16 at a time: exp_negative's polynomial in 512 bits. */
+static inline __m512 exp_negative16(__m512 x) {
+    const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(clamped, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512 two_n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), _mm512_mul_ps(y, two_n));
+}
+
+/* a + b's two 256-bit halves interleaved by 128-bit lanes: the first step of summing 16 vectors'
+   lanes at once (a transposing reduction: 45 shuffles and adds for 16 sums) */
+static inline __m512 fold(__m512 a, __m512 b, const int lo, const int hi) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, lo), _mm512_shuffle_f32x4(a, b, hi));
+}
+
+/* q . k_t for the 16 keys t (rows of k, DIM floats each), key t in lane t. */
+static inline __attribute__((always_inline)) __m512 scores16(const float *q, const float *k, const int DIM) {
+    __m512 qv[8], p[16];  /* DIM <= 128 */
+    for (int c = 0; c < DIM / 16; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    /* slot i takes key (i % 4) * 4 + i / 4: the reduction below leaves slot i's sum in lane
+       4 (i % 4) + i / 4, so each key's sum lands in its own lane */
+    for (int i = 0; i < 16; i++) {
+        const float *row = k + ((i % 4) * 4 + i / 4) * DIM;
+        p[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(row));
+        for (int c = 1; c < DIM / 16; c++) p[i] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(row + 16 * c), p[i]);
+    }
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++) a[i] = fold(p[2 * i], p[2 * i + 1], 0x44, 0xEE);   /* 128-bit lanes 0,1: slot 2i; 2,3: 2i+1 */
+    for (int j = 0; j < 4; j++) b[j] = fold(a[2 * j], a[2 * j + 1], 0x88, 0xDD);   /* lane l: slot 4j + l */
+    const __m512 c0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+    const __m512 c1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(c0), _mm512_castps_pd(c1))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(c0), _mm512_castps_pd(c1))));
+}
+
+/* out[r] (DIM floats, r < RG) = out[r] * rescale[r] + the sum over t < n of weights[r][t] * v_t,
+   the outputs in registers over the keys. */
+static inline __attribute__((always_inline)) void add_weighted16(float *out, const float *v, const float *weights,
+                                                                 const float *rescale, int64_t n, const int RG, const int DIM) {
+    __m512 o[4][8];  /* RG x DIM / 16 <= 16 used */
+    for (int r = 0; r < RG; r++)
+        for (int c = 0; c < DIM / 16; c++) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out + r * DIM + 16 * c), _mm512_set1_ps(rescale[r]));
+    for (int64_t t = 0; t < n; t++) {
+        __m512 row[8];
+        for (int c = 0; c < DIM / 16; c++) row[c] = _mm512_loadu_ps(v + t * DIM + 16 * c);
+        for (int r = 0; r < RG; r++) {
+            const __m512 w = _mm512_set1_ps(weights[r * 16 + t]);
+            for (int c = 0; c < DIM / 16; c++) o[r][c] = _mm512_fmadd_ps(w, row[c], o[r][c]);
+        }
+    }
+    for (int r = 0; r < RG; r++)
+        for (int c = 0; c < DIM / 16; c++) _mm512_storeu_ps(out + r * DIM + 16 * c, o[r][c]);
+}
+
+static inline __attribute__((always_inline)) void attend_blocks16(
+        const float *q, int64_t rep, const float *k_cache, const float *v_cache, const int32_t *block_table,
+        int64_t first_block, int64_t context, int64_t kv_head, int64_t block_size, int64_t block_stride, float scale,
+        float *top, float *total, float *out, const int DIM) {
+    float weights[rep * 16], rescale[rep];
+    /* the output registers of RG heads: 16 vectors of sums */
+    const int RG = DIM == 64 ? 4 : 2;
+    for (int64_t start = first_block * block_size; start < context; start += 16) {
+        const int64_t n = context - start < 16 ? context - start : 16;
+        const int64_t at = block_table[start / block_size] * block_stride + (kv_head * block_size + start % block_size) * DIM;
+        const float *k = k_cache + at, *v = v_cache + at;
+        const __mmask16 valid = (__mmask16)((1u << n) - 1);
+        if (start + 16 < context) {  /* the next 16 keys' rows, asked for while these are summed */
+            const int64_t next = start + 16;
+            const int64_t to = block_table[next / block_size] * block_stride + (kv_head * block_size + next % block_size) * DIM;
+            for (int64_t line = 0; line < 16 * DIM * 4; line += 64) {
+                __asm__ volatile("prefetcht0 %0" : : "m"(*((const char *)(k_cache + to) + line)));
+                __asm__ volatile("prefetcht0 %0" : : "m"(*((const char *)(v_cache + to) + line)));
+            }
+        }
+        for (int64_t r = 0; r < rep; r++) {
+            /* keys past n (the block's unwritten rows) score -inf: weight 0, and their V rows are not read */
+            const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, scores16(q + r * DIM, k, DIM), _mm512_set1_ps(scale));
+            const float block_top = _mm512_reduce_max_ps(s);
+            rescale[r] = 1.0f;
+            if (block_top > top[r]) {  /* the sums so far, rescaled to the new maximum */
+                rescale[r] = expf(top[r] - block_top);
+                total[r] *= rescale[r];
+                top[r] = block_top;
+            }
+            const __m512 w = exp_negative16(_mm512_sub_ps(s, _mm512_set1_ps(top[r])));
+            total[r] += _mm512_reduce_add_ps(w);
+            _mm512_storeu_ps(weights + r * 16, w);
+        }
+        int64_t r = 0;
+        for (; r + RG <= rep; r += RG) add_weighted16(out + r * DIM, v, weights + r * 16, rescale + r, n, RG, DIM);
+        for (; r < rep; r++) add_weighted16(out + r * DIM, v, weights + r * 16, rescale + r, n, 1, DIM);
+    }
+}
+#endif
+
 void attend_blocks(const float *q, int64_t rep, const float *k_cache, const float *v_cache,
                    const int32_t *block_table, int64_t first_block, int64_t context, int64_t kv_head, int64_t dim,
                    int64_t block_size, int64_t block_stride, float scale, float *top, float *total, float *out) {
+#ifdef __AVX512F__
+    if (block_size % 16 == 0 && (dim == 64 || dim == 128)) {
+        if (dim == 64) attend_blocks16(q, rep, k_cache, v_cache, block_table, first_block, context, kv_head, block_size,
+                                       block_stride, scale, top, total, out, 64);
+        else attend_blocks16(q, rep, k_cache, v_cache, block_table, first_block, context, kv_head, block_size,
+                             block_stride, scale, top, total, out, 128);
+        return;
+    }
+#endif
     float scores[block_size + 8], weights[block_size + 8];
     for (int64_t start = first_block * block_size; start < context; start += block_size) {
         const int64_t n = context - start < block_size ? context - start : block_size;
