@@ -119,13 +119,14 @@ void attend_finish(int64_t rep, int64_t dim, const float *total, float *out) {
 
 #ifdef __AVX512F__
 /* The wide path (AVX-512, head dims 64 and 128, blocks of a multiple of 16 keys): 16 keys at a
-   time for all `rep` query heads, the scores in one register per head, each key's K and V row
-   loaded once per head from L1 and the values summed into the heads' outputs held in registers.
-   The narrow path above takes each query head through a block on its own, in 8-wide vectors,
-   with its weights summed one by one: ~11% of the FMA rate from memory, ~21% from L2 (Zen 5).
-   Here: 1.5x its speed from L2, and with the next 16 keys' K and V asked for ahead, 1.6-1.9x
-   from memory (32 chats x 280 keys, one layer, 2 threads: 1.43-1.66 -> 0.87-0.90 ms; asking 32
-   keys ahead: the same); a 32-chat decode step of the 1B Q4_K_M 1.03-1.06x faster. */
+   time for all `rep` query heads, the scores in one register per head (each K row loaded from L1
+   once per head), and the values summed into up to 4 heads' outputs held in registers (each V
+   row loaded once for them). The narrow path above takes each query head through a block on its
+   own, in 8-wide vectors, with its weights summed one by one: ~11% of the FMA rate from memory,
+   ~21% from L2 (Zen 5). Here: 1.2-1.3x its speed from L2, and with the next 16 keys' K and V
+   asked for ahead, 1.6-1.9x from memory (32 chats x 280 keys, one layer, 2 threads: 1.43-1.66 ->
+   0.87-0.90 ms; asking 32 keys ahead: the same); a 32-chat decode step of the 1B Q4_K_M
+   1.03-1.06x faster. */
 
 /* e^x for x <= 0, 16 at a time: exp_negative on each half. */
 static inline __m512 exp_negative16(__m512 x) {

@@ -376,7 +376,6 @@ static void prefetch_factors(const Batch *a, int64_t b, int nb) {
     if (p->dm) prefetch_bytes(p->dm + b * su, nb * su * 2);
 }
 
-
 /* Lane blocks b .. b+nb-1 (nb <= SLAB_BLOCKS), all rows, slab by slab. */
 static void blocks(const Batch *a, int64_t b, int nb) {
     prefetch_factors(a, b, nb);
