@@ -11,7 +11,7 @@ from gguf.quants import dequantize, quantize
 import kernels
 from engine import LLM, SamplingParams
 from engine.worker.gguf_file import load_model
-from engine.worker.models.llama import AttentionMetadata, LlamaModel
+from engine.worker.models.llama import NATIVE_QUERY_TOKENS, NATIVE_STEP_TOKENS, AttentionMetadata, LlamaModel
 from engine.worker.quantized.native_decode import NativeDecode
 from tests.test_gguf_file import T, tiny_llama_tensors, write_gguf
 
@@ -119,8 +119,10 @@ def test_decoding_tokens_through_the_native_layers_are_the_eager_forward(request
     assert (native_model(path, tiny_hf.config).native_decode._head is not None) == (gguf == "all_quantized_gguf")
     native = model.native_decode
     assert isinstance(native, NativeDecode)
-    assert model.decodes_natively(1, 1) and model.decodes_natively(40, 40) and model.decodes_natively(16, 3)
-    assert not model.decodes_natively(17, 3)  # a long prompt: the eager forward's attention
+    assert model.decodes_natively(1, 1, 1) and model.decodes_natively(40, 40, 1) and model.decodes_natively(16, 1, 16)
+    assert model.decodes_natively(640, 32, 24)  # chats' short turns past a cached prompt
+    assert not model.decodes_natively(33, 1, 33)  # a long prompt: the eager forward's attention
+    assert not model.decodes_natively(1056, 33, 32)  # more rows than a native step takes
     sequences = random_ids([p + 26 for p in prompts], tiny_hf.config.vocab_size, common=shared * BLOCK_SIZE)
     ours = decode_logits(model, sequences, prompts, native, shared)
     assert native.shared_blocks == shared  # the last step read them once for every band of rows
@@ -215,16 +217,16 @@ def test_models_it_cannot_serve_keep_the_eager_forward(all_quantized_gguf, tiny_
     partly = write_gguf(tmp_path / "partly.gguf", "llama", tiny_llama_tensors(tiny_hf), file_type=7)
     assert native_model(partly, tiny_hf.config).native_decode is None
     dequantized = dequantized_model(all_quantized_gguf, tiny_hf.config)
-    assert dequantized.native_decode is None and not dequantized.decodes_natively(1, 1)
+    assert dequantized.native_decode is None and not dequantized.decodes_natively(1, 1, 1)
     in_bf16 = LlamaModel(load_model(all_quantized_gguf, tiny_hf.config, torch.bfloat16, quantized=True),
                          torch.bfloat16, torch.device("cpu"))
     assert in_bf16.native_decode is None
 
 
 def test_the_engine_decodes_natively_and_greedy_replies_match_the_eager_forward(embedded_gguf, monkeypatch):
-    """The embedded SmolLM2 Q4_1 through the engine: a lone chat's steps and three chats decoding
-    together take the native layers (only prompt steps plan torch's attention), and the greedy
-    replies are the eager forward's, token for token."""
+    """The embedded SmolLM2 Q4_1 through the engine: a lone chat's steps, three chats' short turns
+    past a cached prompt and their decoding together take the native layers (only a long prompt
+    plans torch's attention), and the greedy replies are the eager forward's, token for token."""
     llm = LLM(embedded_gguf, quantization="native", num_gpu_blocks=128, num_cpu_blocks=8, compile_decode=False)
     model = llm.engine.core.runner.model
     assert isinstance(model.native_decode, NativeDecode)
@@ -247,7 +249,11 @@ def test_the_engine_decodes_natively_and_greedy_replies_match_the_eager_forward(
 
     ours = replies()
     assert 1 in rows and 3 in rows  # the lone chat's steps, then the three's
-    assert plans and all(max(q_lens) > 1 for q_lens in plans)  # only prompt steps planned torch's attention
+    assert any(r > NATIVE_STEP_TOKENS for r in rows)  # the three's prompt step: short turns, natively
+    assert all(max(q_lens) > 1 for q_lens in plans)  # only prompt steps planned torch's attention
+    long_prompt = " ".join(["Summarise how an operating system pages memory to disk and back."] * 4)
+    llm.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0))
+    assert plans and max(plans[-1]) > NATIVE_QUERY_TOKENS  # a long prompt: the eager forward's attention
     native, model.native_decode = model.native_decode, None
     try:
         eager = replies()

@@ -136,7 +136,7 @@ class ModelRunner:
         block_table = block_table.to(device, non_blocking=True)
         slot_mapping = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
         # A step the model decodes natively reads and writes the paged cache itself: no store index, no plan.
-        native = self.model.decodes_natively(len(input_ids), len(k_lens))
+        native = self.model.decodes_natively(len(input_ids), len(k_lens), max(b - a for a, b in zip(cu_q, cu_q[1:])))
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             slot_index=None if native else kernels.slot_index(slot_mapping, self.block_size, self.kv_cache),

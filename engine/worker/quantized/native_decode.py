@@ -142,6 +142,9 @@ class NativeDecode:
         assert hidden.dtype == torch.float32 and block_table.dtype == contexts.dtype == torch.int32
         assert cos_sin.shape[0] == slots.shape[0] == block_table.shape[0] == contexts.shape[0] == rows
         layers = self._layer_array(kv_cache)
+        # A prompt step's room (~126 KB a row for the 1B) is given back after it: decode batches
+        # keep theirs, every step alike.
+        kept = self._room if rows > self._room[0] and logits_indices.shape[0] < rows else None
         self._make_room(rows)
         hidden, cos_sin = hidden.contiguous(), cos_sin.float().contiguous()
         slots, contexts = slots.to(torch.int64).contiguous(), contexts.contiguous()
@@ -162,6 +165,9 @@ class NativeDecode:
             step.final_norm, step.head, step.head_parts = self._final_norm.data_ptr(), ctypes.addressof(head.part_array), len(head.parts)
             step.logits, step.logits_stride = logits.data_ptr(), logits.stride(0)
         self._lib.decode_layers(hidden.data_ptr(), ctypes.addressof(layers), len(self.model.layers), ctypes.byref(step))
+        if kept is not None:
+            self._room = (0, [])
+            self._make_room(kept[0])
         if logits is not None:
             return logits[:, :head.out_features]
         return self.model.logits(hidden, logits_indices)
