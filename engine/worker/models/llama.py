@@ -119,7 +119,7 @@ class LlamaModel:
         context: a step of decodes (one token a sequence, however many), a small one (a cached
         prompt's last partial block, a short turn), or chats' short turns past a cached prompt
         (whose blocks in common the native attention reads once for 16 rows: 32 chats' 640 rows of
-        the 1B Q4_K_M took 0.87-0.95x the eager forward's time). A long prompt takes the eager
+        the 1B Q4_K_M took 0.94-0.96x the eager forward's time). A long prompt takes the eager
         forward, whose attention runs as matmuls where the native one reads each token's keys
         apart. Such a step reads the paged cache in native code only: it needs no attention plan."""
         return self.native_decode is not None and 0 < num_tokens and (
