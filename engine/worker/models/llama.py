@@ -138,8 +138,10 @@ class LlamaModel:
             hidden = self.embed.rows(input_ids).to(self.dtype)
         else:
             hidden = F.embedding(input_ids, self.embed)
-        if self.native_decode is not None and self.decodes_natively(
-                input_ids.shape[0], meta.seqused_k.shape[0], int(meta.cu_seqlens_q.diff().max())):
+        num_tokens, num_seqs = input_ids.shape[0], meta.seqused_k.shape[0]
+        # the longest query's length only where it can decide: a step of decodes, or a GPU step, needs none
+        longest = 1 if num_tokens == num_seqs or self.native_decode is None else int(meta.cu_seqlens_q.diff().max())
+        if self.decodes_natively(num_tokens, num_seqs, longest):
             tables, contexts = meta.block_table, meta.seqused_k
             if input_ids.shape[0] != contexts.shape[0]:  # a sequence's tokens: each its own row and context
                 q_lens = meta.cu_seqlens_q.diff()
