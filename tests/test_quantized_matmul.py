@@ -14,10 +14,11 @@ from gguf.quants import dequantize as reference
 
 from engine.worker import gguf_formats
 from engine.worker.quantized import native
-from engine.worker.quantized.matrix import CHUNK, QuantizedMatrix, matmul
+from engine.worker.quantized.matrix import CHUNK, SPAN_VALUES, X_LIMIT, QuantizedMatrix, int32_span, matmul
 from tests.test_gguf_formats import T, random_tensor
 
 OUT = 37  # not a multiple of the 8-feature blocks: the padding path too
+BATCH_ROWS = 8  # qmatmul.h's: from this many rows (two levels) the batch loops take a product
 
 
 def matrix_of(qtype, rows: int = OUT, seed: int = 0) -> tuple[QuantizedMatrix, np.ndarray]:
@@ -42,13 +43,18 @@ def test_rows_are_the_reference_weights(qtype):
 
 
 def activation_rounding_bound(x: torch.Tensor, matrix: QuantizedMatrix, levels: int) -> torch.Tensor:
-    """Per output, the most that rounding x to int8 per 32 values can move x @ W.T. Level 1 is
-    within half a step (the chunk's max |x| / 127), level 2 rounds what is left (at most half a
-    step) in steps 254 times finer. The offsets multiply the exact sums of x, so only the scaled
-    quants q * scale see the rounding; plus float32 summation's share. (A batch of BATCH_ROWS rows
-    or more goes in as int16 with two levels, in steps 258 times finer than level 1's: within.)"""
-    step = x.abs().view(x.shape[0], -1, CHUNK).amax(-1) / 127 / (1 if levels == 1 else 254)
-    half_step = step.repeat_interleave(CHUNK, dim=1) / 2
+    """Per output, the most that rounding x can move x @ W.T. A few rows go in as int8 per 32
+    values: level 1 within half a step (the chunk's max |x| / 127), level 2 rounds what is left
+    (at most half a step) in steps 254 times finer. A batch of BATCH_ROWS rows or more with two
+    levels goes in as int16: steps of max |x| / X_LIMIT per SPAN_VALUES values where the matrix
+    sums spans in int32, else max |x| / 32767 per 32 (within level 2's). The offsets multiply the exact sums
+    of x, so only the scaled quants q * scale see the rounding; plus float32 summation's share."""
+    if levels == 2 and x.shape[0] >= BATCH_ROWS and matrix.span:
+        step = x.abs().view(x.shape[0], -1, SPAN_VALUES).amax(-1) / X_LIMIT
+        half_step = step.repeat_interleave(SPAN_VALUES, dim=1) / 2
+    else:
+        step = x.abs().view(x.shape[0], -1, CHUNK).amax(-1) / 127 / (1 if levels == 1 else 254)
+        half_step = step.repeat_interleave(CHUNK, dim=1) / 2
     scaled = dataclasses.replace(matrix, dm=None, mn=None).dequantize().double().abs()
     weights = matrix.dequantize().double().abs()
     return half_step @ scaled.T + 1e-5 * (x.abs() @ weights.T)
@@ -133,6 +139,39 @@ def test_parts_in_different_formats_side_by_side(rows):
     x = torch.randn(rows, first.in_features)
     fused = matmul(x, [first, second])
     torch.testing.assert_close(fused, torch.cat([matmul(x, [first]), matmul(x, [second])], dim=1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype, span", [(T.Q4_K, 4), (T.Q5_K, 2), (T.Q6_K, 1), (T.Q8_0, 0), (T.Q4_1, 0)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_the_int32_span_of_each_format(qtype, span):
+    """Random blocks reach each format's largest quants and factors: Q4_K's 15 x 63 sums 4 chunks
+    in int32, Q5_K's 31 x 63 two, Q6_K's 32 x 128 one; formats without integer factors none."""
+    matrix, _ = matrix_of(qtype)
+    assert matrix.span == span
+    assert int32_span(15, torch.full((4, 1), 63, dtype=torch.int8), 2 * SPAN_VALUES + CHUNK, 8) == 0  # rows not in spans
+    assert int32_span(15, torch.full((4, 1), 63, dtype=torch.int8), 2 * SPAN_VALUES, 2) == 2  # a super-block of 2 chunks
+
+
+def extreme_matrix(quant: int, sc: int, group: int, columns: int = 2 * 256) -> QuantizedMatrix:
+    """Every weight at its format's largest |q x sc| (d = 1): a span's int32 sum at its limit."""
+    signed = quant < 0
+    quants = torch.full((OUT, columns // group, group), quant, dtype=torch.int8 if signed else torch.uint8)
+    factors = torch.full((OUT, columns // group, 1), sc, dtype=torch.int8)
+    d = torch.ones(OUT, columns // 256, 1, dtype=torch.float16)
+    return QuantizedMatrix.of(gguf_formats.Groups(quants, d, factors, None, None), "extreme")
+
+
+@pytest.mark.parametrize("quant, sc, group, span", [(15, 63, 32, 4), (31, 63, 32, 2), (-32, -128, 16, 1)],
+                         ids=["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 32])
+def test_the_largest_sums_do_not_overflow(quant, sc, group, span, rows):
+    """x at its largest everywhere (every value rounds to X_LIMIT) times the largest weights: the
+    spans' int32 sums stay in range and the products equal the float ones."""
+    matrix = extreme_matrix(quant, sc, group)
+    assert matrix.span == span
+    x = torch.full((rows, matrix.in_features), 0.75)
+    exact = x.double() @ matrix.dequantize().double().T
+    torch.testing.assert_close(matmul(x, [matrix]).double(), exact, rtol=1e-4, atol=0)
 
 
 def test_an_empty_batch_and_a_zero_row():

@@ -14,7 +14,8 @@ with one level (dx = a chunk's max |x| / 127), 254 times less with two. One leve
 the dequantized embedded SmolLM2 on 90.6% of next tokens, two on 100%
 (benchmarks/gguf_quality.py). With two levels, a batch of 8 rows or more (qmatmul.h's
 BATCH_ROWS) goes through qmatmul_batch.c instead: x in int16 per 32 (dx = max |x| / 32767, a
-little finer than two int8 levels), 1.15-1.4x faster at 32 rows on a Zen 3.
+little finer than two int8 levels), 1.15-1.4x faster at 32 rows on a Zen 3; for a K-quant there,
+per 128 (dx = max |x| / 16383), so that a span of its products sums in int32 (`int32_span`).
 `rows(ids)` dequantizes rows (an embedding lookup).
 """
 from __future__ import annotations
@@ -33,6 +34,23 @@ if TYPE_CHECKING:  # the engine imports this module; the gguf package is needed 
 LANES = 8
 CHUNK = 32
 LEVELS = 2  # the activations' int8 levels by default (and in the native lone step): see the docstring
+SPAN_VALUES = 128  # qmatmul_batch.c's activations share one int16 scale per this many values (where the
+X_LIMIT = 16383    # rows divide into them), rounded to at most this magnitude
+
+
+def int32_span(largest_quant: int, sc: torch.Tensor | None, columns: int, chunks_per_super: int) -> int:
+    """How many chunks of 32 products the batch loops may sum in int32 with each group's integer
+    factor sc multiplied into the weights (qmatmul_batch.c): the most of 4, 2, 1 whose sum of
+    largest |q| * largest |sc| * X_LIMIT cannot overflow, within one super-block (one f16 factor)
+    and one span of activations; 0 where the factors stay apart (no sc, or rows that do not divide
+    into spans). Q4_K: 4 (15 x 63), Q5_K: 2 (31 x 63), Q6_K: 1 (32 x 128)."""
+    if sc is None or columns % SPAN_VALUES or not sc.numel():
+        return 0
+    largest = largest_quant * int(sc.to(torch.int16).abs().max())
+    for span in (SPAN_VALUES // CHUNK, 2, 1):
+        if span <= chunks_per_super and span * CHUNK * largest * X_LIMIT < 2**31:
+            return span
+    return 0
 
 
 def _lanes(t: torch.Tensor | None, padded: int) -> torch.Tensor | None:
@@ -58,6 +76,7 @@ class QuantizedMatrix:
     bits: int                      # 4, 6 or 8: how the quants are packed
     shift: int = 0                 # 6-bit quants are kept as q + shift (0..63)
     type_name: str = ""
+    span: int = 0                  # int32_span's chunks
 
     @classmethod
     def of(cls, groups: Groups, type_name: str = "") -> QuantizedMatrix:
@@ -92,9 +111,10 @@ class QuantizedMatrix:
                 top = (u >> 4).view(blocks, LANES, chunks, 2, 4, 4)  # (.., half, quad, i)
                 packed = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
                 q = torch.cat((q, packed.permute(0, 2, 3, 1, 4)), dim=2)
+        span = int32_span(max(-low, high), groups.sc, columns, groups.groups_per_super * group // CHUNK)
         return cls(out, columns, q.contiguous(), _lanes(groups.d, padded), _lanes(groups.sc, padded),
                    _lanes(groups.dm, padded), _lanes(groups.mn, padded), group, groups.groups_per_super,
-                   bits, shift, type_name)
+                   bits, shift, type_name, span)
 
     @property
     def nbytes(self) -> int:
@@ -139,8 +159,8 @@ def parts(matrices: list[QuantizedMatrix]) -> ctypes.Array:
     array, column = (native.Part * len(matrices))(), 0
     for part, m in zip(array, matrices):
         part.q, part.d, part.dm, part.sc, part.mn = (ptr(m.quants), ptr(m.d), ptr(m.dm), ptr(m.sc), ptr(m.mn))
-        part.gs, part.sg, part.bits, part.shift, part.blocks, part.column = (
-            m.group_size, m.groups_per_super, m.bits, m.shift, m.quants.shape[0], column)
+        part.gs, part.sg, part.bits, part.shift, part.blocks, part.column, part.span = (
+            m.group_size, m.groups_per_super, m.bits, m.shift, m.quants.shape[0], column, m.span)
         column += m.out_features
     return array
 

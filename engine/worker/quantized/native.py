@@ -40,7 +40,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 class Part(ctypes.Structure):
     """qmatmul.h's Part: one quantized matrix of a linear layer and its first output column."""
     _fields_ = [("q", _P), ("d", _P), ("dm", _P), ("sc", _P), ("mn", _P),
-                ("gs", _I), ("sg", _I), ("bits", _I), ("shift", _I), ("blocks", _I), ("column", _I)]
+                ("gs", _I), ("sg", _I), ("bits", _I), ("shift", _I), ("blocks", _I), ("column", _I),
+                ("span", _I)]
 
 
 class Scratch(ctypes.Structure):

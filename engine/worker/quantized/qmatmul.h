@@ -2,10 +2,12 @@
 #include <stdint.h>
 
 /* One quantized matrix of a linear layer (laid out as qmatmul.c describes): its quants' width
-   (4, 6 or 8 bits) and 6-bit shift, and where its part of the output starts, `column`. */
+   (4, 6 or 8 bits) and 6-bit shift, where its part of the output starts, `column`, and `span`:
+   how many chunks' products qmatmul_batch.c may sum in int32 with the groups' integer factors sc
+   multiplied into the weights (0: keep them apart; matrix.py works it out from the quants). */
 typedef struct {
     const uint8_t *q; const _Float16 *d; const _Float16 *dm; const int8_t *sc; const int8_t *mn;
-    int64_t gs, sg, bits, shift, blocks, column;
+    int64_t gs, sg, bits, shift, blocks, column, span;
 } Part;
 
 /* Room for a row's activations as the loops quantize them, for rows x `in` values in `levels`
