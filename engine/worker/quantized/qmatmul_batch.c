@@ -37,7 +37,7 @@
    at 32767 otherwise), and a span of chunks sharing one f16 factor and one dx is summed in int32
    before it is scaled once: Q4_K's 4 chunks (128 x 15 x 63 x 16383 < 2^31), Q6_K's two groups of
    16 as one chunk. Q4_K 1.05-1.06x and Q6_K 1.05x faster at 32 rows (16,384 x 2,048, one
-   thread), a 32-chat step of the 1B Q4_K_M 0.96-0.98x the time; its top-1 agreement the same
+   thread), a 32-chat step of the 1B Q4_K_M 0.96-0.97x the time; its top-1 agreement the same
    (gguf_quality.py: per 256 values at 8191, 99.69%). */
 #include <math.h>
 #include <stdint.h>
@@ -174,9 +174,6 @@ static inline __attribute__((always_inline)) void unpack_bits(const Batch *a, in
 
 #if defined(WIDE_ROWS) && defined(__AVX512VBMI__)  /* the byte permute: Ice Lake, Zen 4 and later, not Cascade Lake */
 #define UNPACK_PAIRS
-/* unpack_bits for an even nb with AVX-512: a quad of two neighbouring blocks at once, one byte
-   permute putting both blocks' k 0, 1 in the low half and k 2, 3 in the high half, then widened to
-   int16 (two stores where unpack_bits takes four, with half the shuffles). */
 /* Blocks b and b + 1's integer factors sc of group g as a k pair's int16 multipliers: lane l's
    at 2l, 2l + 1 (block b) and 16 + 2l, 17 + 2l (block b + 1). */
 static inline __m512i pair_factors(const Batch *a, int64_t b, int64_t g) {
@@ -188,7 +185,17 @@ static inline __m512i pair_factors(const Batch *a, int64_t b, int64_t g) {
     return _mm512_permutexvar_epi16(_mm512_load_si512((const void *)twice), _mm512_castsi256_si512(_mm256_cvtepi8_epi16(both)));
 }
 
-/* FOLD: each group's integer factor sc multiplied into its weights (a Part's span). */
+/* The multipliers of chunk c's k 0-15 (halves[0]) and 16-31 (halves[1]) for blocks b, b + 1. */
+static inline void chunk_factors(const Batch *a, int64_t b, int64_t c, __m512i halves[2]) {
+    const int64_t gs = a->p->gs;
+    halves[0] = pair_factors(a, b, c * CHUNK / gs);
+    halves[1] = gs == CHUNK ? halves[0] : pair_factors(a, b, (c * CHUNK + 16) / gs);
+}
+
+/* unpack_bits for an even nb with AVX-512: a quad of two neighbouring blocks at once, one byte
+   permute putting both blocks' k 0, 1 in the low half and k 2, 3 in the high half, then widened to
+   int16 (two stores where unpack_bits takes four, with half the shuffles). FOLD: each group's
+   integer factor sc multiplied into its weights (a Part's span). */
 static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n,
                                                                     int16_t *w, const int BITS, const int FOLD) {
     /* byte 4l + i of the first block's quad at index 4l + i, the second's at 64 + 4l + i */
@@ -206,11 +213,7 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
                 const int64_t bytes = 4 * 32;  /* a chunk of a block: 4 quads of 32 bytes */
                 const uint8_t *at = a->p->q + ((b + i) * a->chunks + c) * bytes, *next = at + a->chunks * bytes;
                 __m512i factors[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-                if (FOLD) {
-                    const int64_t gs = a->p->gs;
-                    factors[0] = pair_factors(a, b + i, c * CHUNK / gs);
-                    factors[1] = gs == CHUNK ? factors[0] : pair_factors(a, b + i, (c * CHUNK + 16) / gs);
-                }
+                if (FOLD) chunk_factors(a, b + i, c, factors);
                 _Pragma("GCC unroll 4")
                 for (int t = 0; t < 4; t++) {
                     const __m512i both = _mm512_permutex2var_epi8(
@@ -235,11 +238,7 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
     for (int64_t c = c0; c < c0 + n; c++)
         for (int i = 0; i < nb; i += 2) {
             __m512i factors[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-            if (FOLD) {
-                const int64_t gs = a->p->gs;
-                factors[0] = pair_factors(a, b + i, c * CHUNK / gs);
-                factors[1] = gs == CHUNK ? factors[0] : pair_factors(a, b + i, (c * CHUNK + 16) / gs);
-            }
+            if (FOLD) chunk_factors(a, b + i, c, factors);
             _Pragma("GCC unroll 8")
             for (int t = 0; t < 8; t++) {
                 const __m512i both = _mm512_permutex2var_epi8(
@@ -255,21 +254,21 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
             }
         }
 }
+
+static inline __attribute__((always_inline)) void unpack_pairs(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n,
+                                                               int16_t *w, const int FOLD) {
+    if (a->p->bits == 4) unpack_pairs_bits(a, b, nb, c0, n, w, 4, FOLD);
+    else if (a->p->bits == 6) unpack_pairs_bits(a, b, nb, c0, n, w, 6, FOLD);
+    else unpack_pairs_bits(a, b, nb, c0, n, w, 8, FOLD);
+}
 #endif
 
 /* fold: as unpack_pairs_bits' FOLD (only where it serves: an even nb with VBMI) */
 static void unpack(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n, int16_t *w, int fold) {
 #ifdef UNPACK_PAIRS
     if (nb % 2 == 0) {
-        if (fold) {
-            if (a->p->bits == 4) unpack_pairs_bits(a, b, nb, c0, n, w, 4, 1);
-            else if (a->p->bits == 6) unpack_pairs_bits(a, b, nb, c0, n, w, 6, 1);
-            else unpack_pairs_bits(a, b, nb, c0, n, w, 8, 1);
-        } else {
-            if (a->p->bits == 4) unpack_pairs_bits(a, b, nb, c0, n, w, 4, 0);
-            else if (a->p->bits == 6) unpack_pairs_bits(a, b, nb, c0, n, w, 6, 0);
-            else unpack_pairs_bits(a, b, nb, c0, n, w, 8, 0);
-        }
+        if (fold) unpack_pairs(a, b, nb, c0, n, w, 1);
+        else unpack_pairs(a, b, nb, c0, n, w, 0);
         return;
     }
 #endif
