@@ -47,8 +47,9 @@ def activation_rounding_bound(x: torch.Tensor, matrix: QuantizedMatrix, levels: 
     values: level 1 within half a step (the chunk's max |x| / 127), level 2 rounds what is left
     (at most half a step) in steps 254 times finer. A batch of BATCH_ROWS rows or more with two
     levels goes in as int16: steps of max |x| / X_LIMIT per SPAN_VALUES values where the matrix
-    sums spans in int32, else max |x| / 32767 per 32 (within level 2's). The offsets multiply the exact sums
-    of x, so only the scaled quants q * scale see the rounding; plus float32 summation's share."""
+    sums spans in int32, else max |x| / 32767 per 32 (within level 2's). The offsets multiply the
+    exact sums of x, so only the scaled quants q * scale see the rounding; plus float32
+    summation's share."""
     if levels == 2 and x.shape[0] >= BATCH_ROWS and matrix.span:
         step = x.abs().view(x.shape[0], -1, SPAN_VALUES).amax(-1) / X_LIMIT
         half_step = step.repeat_interleave(SPAN_VALUES, dim=1) / 2
