@@ -1,6 +1,7 @@
 """The compiled decode steps (engine/worker/compiled_decode.py): built in the background while the
 eager path serves, then the same greedy tokens as the eager path: a lone chat's through buffer
-growth, batch-to-lone hand-overs and moved blocks, a batch's with and without a shared prefix;
+growth, batch-to-lone hand-overs and moved blocks, the flat step's batches with and without a shared
+prefix and its prompt chunks beside decodes;
 the real model's weights and shapes (a slice of its layers) against transformers. Only a
 package this user's own build wrote, in a folder nobody else can write to, is ever loaded; a
 build runs in a process group of its own that ends with it, on a timeout or with the engine's
@@ -252,7 +253,7 @@ def serve_eagerly(model: str) -> LLM:
     output = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, **GREEDY))[0].outputs[0]
     assert len(output.token_ids) == 4 and output.finish_reason == "length"
     assert not llm.engine.compiled.wait(120)
-    assert llm.engine.compiled.settled and not llm.engine.compiled.ready and not llm.engine.compiled.batch_ready
+    assert llm.engine.compiled.settled and not llm.engine.compiled.ready and not llm.engine.compiled.flat_ready
     return llm
 
 
@@ -337,7 +338,7 @@ def test_bf16_step_matches_eager(packages, tiny_model_dir, monkeypatch):
     a captured step."""
     compiled = run_forward_ab(tiny_model_dir, "bfloat16", monkeypatch)
     assert package_path(tiny_model_dir, torch.bfloat16, "lone").exists()
-    assert not package_path(tiny_model_dir, torch.bfloat16, "batch").exists()  # a lone step's A/B builds no batch step
+    assert not package_path(tiny_model_dir, torch.bfloat16, "flat").exists()  # a lone step's A/B builds no flat step
     # bf16 keeps 8 significant bits: this model's logits (tens) round to steps of 0.125 or 0.25.
     assert compiled["same_greedy"] and compiled["max_abs_diff"] <= 0.5
 
@@ -426,7 +427,7 @@ def test_a_build_ends_when_the_engine_process_is_killed(fake_kit, tiny_model_dir
         fake_kit.use_here(monkeypatch)
         loads = spy_loads(monkeypatch)
         serve_eagerly(tiny_model_dir)  # the stand-in build fails: nothing loads, leftovers are swept
-        assert fake_kit.starts() == ["lone", "batch"] and loads == []
+        assert fake_kit.starts() == ["lone", "flat"] and loads == []
         assert list(folder.iterdir()) == []
     finally:
         driver.kill()
@@ -465,11 +466,11 @@ def test_lone_chats_decode_the_eager_tokens(slice_compiled, slice_dir, tokenizer
 
 
 def test_decode_batches_decode_the_eager_tokens(slice_compiled, slice_dir, tokenizer, monkeypatch):
-    """Greedy fp32: batches of decodes through the compiled batch step give the eager engine's
+    """Greedy fp32: batches of decodes through the compiled flat step give the eager engine's
     tokens, for chats that share a system prompt of whole blocks (read once for all of them),
     chats that share nothing, and chats of different lengths that drop out one by one."""
     llm = slice_compiled[0]
-    batch_calls = count_calls(monkeypatch, llm.engine.compiled, "decode_batch")
+    flat_calls = count_calls(monkeypatch, llm.engine.compiled, "run_flat")
     eager = LLM(slice_dir, dtype="float32", num_gpu_blocks=64, compile_decode=False)
     system = tokenizer("You are a helpful assistant who answers in one short sentence. " * 4,
                        add_special_tokens=False).input_ids
@@ -481,29 +482,61 @@ def test_decode_batches_decode_the_eager_tokens(slice_compiled, slice_dir, token
     for prompts in (shared, alone):
         ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params[:len(prompts)])]
         assert ours == [o.outputs[0].token_ids for o in eager.generate(prompts, params[:len(prompts)])]
-    assert len(batch_calls) >= 2 * 20 and {len(tokens) for tokens in batch_calls} >= {2, 3, 4}
+    decode_batches = [seqs for seqs in flat_calls if all(len(s.tokens) == 1 for s in seqs)]
+    assert len(decode_batches) >= 2 * 20 and {len(seqs) for seqs in decode_batches} >= {2, 3, 4}
+
+
+def test_mixed_steps_decode_transformers_greedy_tokens(slice_compiled, smol_slice, monkeypatch):
+    """The real model's weights in fp32, through the compiled flat step: chats that arrive while
+    others decode (their prompts beside the decodes in one step, one of them past a cached
+    system prompt, one chunked by the token budget) each get transformers' greedy tokens."""
+    llm, hf = slice_compiled[0], smol_slice[1]
+    engine = llm.engine
+    flat_calls = count_calls(monkeypatch, engine.compiled, "run_flat")
+    chats = ([{"role": "system", "content": "You are a pirate who loves the sea and talks about it all day long."},
+              {"role": "user", "content": "Say hello."}],
+             [{"role": "system", "content": "You are a pirate who loves the sea and talks about it all day long."},
+              {"role": "user", "content": "What is your ship called?"}],
+             [{"role": "user", "content": "What is the capital of France? " * 12}])
+    prompts = [engine.encode(engine.apply_chat_template(chat)) for chat in chats]
+    expected = [hf_greedy(hf, ids, 12) for ids in prompts]
+    monkeypatch.setattr(engine.core.scheduler.config, "max_num_batched_tokens", 48)  # chunks the long prompt
+    outputs: dict[str, list[int]] = {}
+    engine.add_request("c0", prompts[0], SamplingParams(max_tokens=12, **GREEDY))
+    added = 1
+    while engine.has_unfinished():
+        for delta in engine.step():
+            outputs.setdefault(delta.request_id, []).extend(delta.token_ids)
+        if added < len(prompts) and outputs.get("c0"):  # the others arrive while the first decodes
+            engine.add_request(f"c{added}", prompts[added], SamplingParams(max_tokens=12, **GREEDY))
+            added += 1
+    assert [outputs[f"c{i}"] for i in range(len(prompts))] == expected
+    mixed = [seqs for seqs in flat_calls if any(len(s.tokens) == 1 for s in seqs) and any(len(s.tokens) > 1 for s in seqs)]
+    assert mixed, "no step ran prompt chunks beside decodes"
+    assert any(s.start > 0 for seqs in mixed for s in seqs if len(s.tokens) > 1)  # a chunk past a cached prefix
 
 
 def test_real_weights_compiled_greedy_equals_transformers(slice_compiled, smol_slice, monkeypatch):
     """The default model's own weights and shapes in fp32 (a two-layer slice of it: the compiled
     steps are the same code for every depth): lone decode steps through the compiled lone-chat
-    graph, then the same chats together, their steps through the compiled batch graph, each
+    graph, then the same chats together, their steps through the compiled flat graph, each
     token transformers' greedy token."""
     llm, hf = slice_compiled[0], smol_slice[1]
     calls = count_calls(monkeypatch, llm.engine.compiled)
-    batch_calls = count_calls(monkeypatch, llm.engine.compiled, "decode_batch")
+    flat_calls = count_calls(monkeypatch, llm.engine.compiled, "run_flat")
     chats = ([{"role": "user", "content": "What is the capital of France?"}],
              [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}])
     prompts = [llm.engine.encode(llm.engine.apply_chat_template(chat)) for chat in chats]
     expected = [hf_greedy(hf, ids, 24) for ids in prompts]
     for ids, tokens in zip(prompts, expected):
         assert llm.generate([ids], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0].token_ids == tokens
-    assert len(calls) == 2 * 23 and not batch_calls
+    assert len(calls) == 2 * 23 and all(len(seqs) > 1 or len(seqs[0].tokens) > 1 for seqs in flat_calls)
+    flat_calls.clear()
     together = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
     assert [o.outputs[0].token_ids for o in together] == expected
     # 24: all but each prompt's last token came from the cache, so the prompts' step was a batch decode too
     assert [o.num_cached_tokens for o in together] == [len(ids) - 1 for ids in prompts]
-    assert len(batch_calls) == 24
+    assert len(flat_calls) == 24
 
 
 # The last test on the fixture's engine: it fills blocks of its cache with random K/V.
@@ -572,7 +605,7 @@ def test_a_package_planted_in_the_folder_is_never_loaded(fake_builds, loads, tin
     with caplog.at_level(logging.WARNING, logger=compiled_decode.__name__):
         serve_eagerly(tiny_model_dir)
     assert loads == []
-    assert fake_builds.starts() == ["lone", "batch"]
+    assert fake_builds.starts() == ["lone", "flat"]
     refusals = [r.getMessage() for r in caplog.records if "refusing" in r.getMessage()]
     assert len(refusals) == 2 and all("no recorded digest" in m for m in refusals)
     assert paths[0].name in refusals[0] and paths[1].name in refusals[1]
@@ -581,10 +614,10 @@ def test_a_package_planted_in_the_folder_is_never_loaded(fake_builds, loads, tin
 def test_a_package_whose_digest_does_not_match_is_rebuilt_before_it_loads(fake_builds, loads, tiny_model_dir):
     fake_builds.folder.mkdir()
     fake_builds.mode("rebuild")
-    lone, batch = plant(fake_builds.folder, tiny_model_dir, b"planted", digest_of=b"what a build wrote")
+    lone, flat = plant(fake_builds.folder, tiny_model_dir, b"planted", digest_of=b"what a build wrote")
     serve_eagerly(tiny_model_dir)
-    assert fake_builds.starts() == ["lone", "batch"]
-    assert loads == [(lone, b"rebuilt lone"), (batch, b"rebuilt batch")]  # only what the build installed
+    assert fake_builds.starts() == ["lone", "flat"]
+    assert loads == [(lone, b"rebuilt lone"), (flat, b"rebuilt flat")]  # only what the build installed
 
 
 def _group_writable(folder: Path) -> None:

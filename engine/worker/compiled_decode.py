@@ -1,5 +1,5 @@
-"""Decode steps as AOTInductor-compiled graphs, built once per machine and cached: a lone chat's,
-and a batch's.
+"""The engine's steps as AOTInductor-compiled graphs, built once per machine and cached: a lone
+chat's decode step, and any other step of a chat server (decodes and prompt chunks together).
 
 What a single user waits for on a CPU is one sequence's decode step, and eager torch spends a
 third of it between the weight matmuls: ~900 small ops a step for a 30-layer model, each a few
@@ -8,16 +8,16 @@ time by AOTInductor runs the whole step as one C++ call: the small ops fused int
 weight matmuls as loops over weights laid out for one row times them (`MatVec`), no library call
 left. SmolLM2-135M on a 2-core AMD EPYC, the same captured step in one process: bf16 ~6 ms
 (0.83-0.87 of the step with torch's matrix-vector kernel), fp32 0.76-0.92 of the step with
-inductor's row-by-row loops. A batch of decodes (every sequence adding
-one token, the steady state of a busy server) runs `BatchDecodeStep`
-(engine/worker/models/batch_decode_step.py) the same way, reading past K/V from the paged cache:
-a 32-chat bf16 step in 0.86-0.91 of the eager step's time, fp32 0.98.
+inductor's row-by-row loops. Every other step, a batch of decodes (the steady state of a busy
+server) with or without prompt chunks beside it (each arrival's new turn), runs `FlatStep`
+(engine/worker/models/flat_step.py) the same way, every new token a row of the same matmuls,
+reading past K/V from the paged cache (benchmarks/mixed_step.py times it against the eager forward).
 
 A package depends on the model's weights, the dtype, torch, the CPU's vector instructions
 and this code, so it is keyed by all of them and kept under `cache_dir()/compiled`
 ($PAGEDCHAT_COMPILED_DIR when set). A missing one is built by a subprocess at a low priority (`python -m engine.worker.compiled_decode`,
-once, in minutes: SmolLM2-135M's lone and batch packages together take ~2.5 min on a 2-core Zen 5,
-7-11 min in fp32 on a busy 2-core Zen 1 EPYC), then loaded by a thread (~2 s, releasing the GIL):
+once, in minutes: SmolLM2-135M's lone package takes ~1 min on a 2-core Zen 5 and its flat one
+several, longer in fp32 on a slower CPU), then loaded by a thread (~2 s, releasing the GIL):
 the engine starts as fast as without it and decodes eagerly until the graph is ready.
 Built or loaded, each package holds another copy of the weights.
 
@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from engine.worker.flat_batch import FlatSequence, flat_batch
 from engine.worker.model_loader import cache_dir, load_checkpoint, resolve_model
 from engine.worker.package_trust import digest_path, digest_problem, folder_problem, install
 from engine.worker.models.llama import LlamaModel
@@ -59,21 +60,21 @@ log = logging.getLogger(__name__)
 
 CAPACITY_STEP = 64    # the K/V buffer grows by this many tokens; attention runs over all of it, masked
 MAX_CONTEXT = 4096    # longer contexts decode eagerly (the buffer of SmolLM2 at 4,096 tokens is 190 MB in fp32)
-# One package's build that takes longer is stopped (SmolLM2's lone and batch packages together
+# One package's build that takes longer is stopped (SmolLM2's lone and flat packages together
 # take ~2.5 min on a 2-core Zen 5, 7-11 min in fp32 on a busy 2-core Zen 1 EPYC).
 BUILD_TIMEOUT_S = 30 * 60
 DTYPES = (torch.float32, torch.bfloat16)
-KINDS = ("lone", "batch")  # one sequence's step (`DecodeStep`), a batch's (`BatchDecodeStep`)
-BATCH_BLOCK_SIZE = 16  # the batch graph reads caches of this block size (the engine's default)
-MAX_BATCH = 256       # larger decode batches run eagerly
+KINDS = ("lone", "flat")  # one sequence's decode step (`DecodeStep`), any mix of decodes and prompt chunks (`FlatStep`)
+BATCH_BLOCK_SIZE = 16  # the flat graph reads caches of this block size (the engine's default)
+MAX_BATCH = 256       # steps of more sequences run eagerly
 # What a package's graph is traced from: a change to any of these files rebuilds the packages.
 _LAYERS = tuple(f"engine/worker/models/layers/{name}.py"
                 for name in ("activation", "attention", "rms_norm", "rotary", "shape"))
 _SOURCES = {"lone": ("engine/worker/compiled_decode.py", "engine/worker/models/decode_step.py",
                      "engine/worker/models/weights.py", "engine/worker/models/layers/matvec.py", *_LAYERS),
-            "batch": ("engine/worker/compiled_decode.py", "engine/worker/models/batch_decode_step.py",
-                      "engine/worker/models/decode_step.py", "engine/worker/models/weights.py", *_LAYERS)}
-_PREFIX = {"lone": "decode", "batch": "batch-decode"}
+            "flat": ("engine/worker/compiled_decode.py", "engine/worker/models/flat_step.py",
+                     "engine/worker/models/decode_step.py", "engine/worker/models/weights.py", *_LAYERS)}
+_PREFIX = {"lone": "decode", "flat": "flat-step"}
 
 
 def enabled_by_default() -> bool:
@@ -140,10 +141,10 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
     whole, its sha256 recorded beside it, then renamed into place: a reader never sees half a
     package)."""
     checkpoint = load_checkpoint(model, dtype)
-    program = _export_batch(checkpoint, dtype) if kind == "batch" else _export_lone(checkpoint, dtype)
+    program = _export_flat(checkpoint, dtype) if kind == "flat" else _export_lone(checkpoint, dtype)
     del checkpoint
-    # Frozen weights are constants the compiler folds into the graph: a batch's matmuls take
-    # them packed for oneDNN; a lone row's are loops over blocks laid out for them (`MatVec` in
+    # Frozen weights are constants the compiler folds into the graph: the flat step's matmuls
+    # take them packed for oneDNN; a lone row's are loops over blocks laid out for them (`MatVec` in
     # engine/worker/models/layers/matvec.py). Reassociation and fused multiply-adds let the C++
     # compiler split a loop's running sum over several registers (infinities and NaNs keep
     # their meaning). In the lone step, an input read by two loops (the q and k/v projections'
@@ -151,7 +152,7 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
     # (`realize_reads_threshold`): a normalized input recomputed for every block of weights
     # made the bf16 step ~1.1x slower.
     configs = {"freezing": True, "cpp.enable_unsafe_math_opt_flag": True,
-               "cpp.enable_floating_point_contract_flag": "fast", "cpp.weight_prepack": kind == "batch"}
+               "cpp.enable_floating_point_contract_flag": "fast", "cpp.weight_prepack": kind != "lone"}
     if kind == "lone":
         configs["realize_reads_threshold"] = 1
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -184,22 +185,30 @@ def _export_lone(checkpoint, dtype: torch.dtype):
         return torch.export.export(step, example, dynamic_shapes=(None, None, None, {3: capacity}, None))
 
 
-def _export_batch(checkpoint, dtype: torch.dtype):
+def _export_flat(checkpoint, dtype: torch.dtype):
     from torch.export import Dim
 
-    from engine.worker.models.batch_decode_step import BatchDecodeStep
+    from engine.worker.models.flat_step import FlatStep
 
-    step = BatchDecodeStep(checkpoint, dtype).eval()
+    step = FlatStep(checkpoint, dtype).eval()
     layers, kv_heads, dim, bs = len(step.layers), step.shape.num_kv_heads, step.shape.head_dim, BATCH_BLOCK_SIZE
-    rows, shared, own = 4, 3, 5  # any sizes: all three are dynamic
-    example = (torch.zeros(rows, dtype=torch.int64), torch.ones(rows, dim, dtype=dtype),
-               torch.zeros(rows, dim, dtype=dtype), torch.zeros(64, layers, 2, kv_heads, bs, dim, dtype=dtype),
-               torch.zeros(shared, dtype=torch.int64), torch.zeros(shared * bs),
-               torch.zeros(rows, own, dtype=torch.int64), torch.zeros(rows, own * bs))
-    batch, blocks = Dim("batch", min=2, max=MAX_BATCH), Dim("blocks", min=2)
-    shared_blocks, own_blocks = Dim("shared", min=1, max=MAX_CONTEXT), Dim("own", min=1, max=MAX_CONTEXT)
-    dynamic = ({0: batch}, {0: batch}, {0: batch}, {0: blocks}, {0: shared_blocks}, {0: shared_blocks * bs},
-               {0: batch, 1: own_blocks}, {0: batch, 1: own_blocks * bs})
+    # any sizes, each its own: every one is dynamic
+    decodes, prompt_tokens, chunks, width, decode_blocks, prompt_blocks, shared, sampled = 3, 7, 2, 5, 4, 6, 2, 4
+    i64 = torch.int64
+    example = (torch.zeros(decodes, dtype=i64), torch.zeros(prompt_tokens, dtype=i64),
+               torch.zeros(decodes, 2, dim, dtype=dtype), torch.zeros(prompt_tokens, 2, dim, dtype=dtype),
+               torch.zeros(64, layers, 2, kv_heads, bs, dim, dtype=dtype),
+               torch.zeros(shared, dtype=i64), torch.zeros(shared * bs),
+               torch.zeros(decodes, decode_blocks, dtype=i64), torch.zeros(decodes, decode_blocks * bs),
+               torch.zeros(chunks, prompt_blocks, dtype=i64), torch.zeros(chunks, prompt_blocks * bs),
+               torch.zeros(chunks, width, dtype=i64), torch.zeros(chunks, width, width),
+               torch.zeros(prompt_tokens, dtype=i64), torch.zeros(sampled, dtype=i64))
+    d, t = Dim("decodes", min=1, max=MAX_BATCH), Dim("prompt_tokens", min=1, max=MAX_CONTEXT)
+    p, q = Dim("chunks", min=1, max=MAX_BATCH), Dim("width", min=1, max=MAX_CONTEXT)
+    od, op = Dim("decode_blocks", min=1, max=MAX_CONTEXT), Dim("prompt_blocks", min=1, max=MAX_CONTEXT)
+    s, r, blocks = Dim("shared", min=1, max=MAX_CONTEXT), Dim("sampled", min=1, max=2 * MAX_BATCH), Dim("blocks", min=2)
+    dynamic = ({0: d}, {0: t}, {0: d}, {0: t}, {0: blocks}, {0: s}, {0: s * bs}, {0: d, 1: od}, {0: d, 1: od * bs},
+               {0: p, 1: op}, {0: p, 1: op * bs}, {0: p, 1: q}, {0: p, 1: q, 2: q}, {0: t}, {0: r})
     with torch.no_grad():
         return torch.export.export(step, example, dynamic_shapes=dynamic)
 
@@ -288,8 +297,8 @@ def _end_with_parent(parent: int) -> None:
 class CompiledDecode:
     """The compiled steps for one engine, built or loaded in the background. `decode` runs a lone
     sequence's steps, keeping that sequence's K/V of every layer in one buffer from step to step
-    (the paged cache gets each new token too, for the batches to come); `decode_batch` runs a
-    batch of decodes on the paged cache."""
+    (the paged cache gets each new token too, for the steps to come); `run_flat` runs any other
+    step on the paged cache."""
 
     def __init__(self, model: str | None, dtype: torch.dtype, decoder: LlamaModel,
                  kinds: tuple[str, ...] = KINDS) -> None:
@@ -301,10 +310,7 @@ class CompiledDecode:
         self.model, self.dtype, self.decoder, self.kinds = model, dtype, decoder, kinds
         self.paths: dict[str, Path] = {}  # by kind, found in the background (inductor's ISA check compiles a probe)
         self.error: str | None = None  # why a step is unavailable (the other may still be ready)
-        self._ready = threading.Event()
-        self._batch_ready = threading.Event()
-        self._run = None
-        self._batch_run = None
+        self._runs: dict[str, object] = {}  # by kind, once loaded
         self._buffer: torch.Tensor | None = None  # [layers, 2, kv_heads, capacity, head_dim]
         self._blocks: list[int] = []
         self._filled = 0
@@ -313,11 +319,16 @@ class CompiledDecode:
     @property
     def ready(self) -> bool:
         """The lone-chat step is loaded."""
-        return self._ready.is_set()
+        return "lone" in self._runs
 
     @property
-    def batch_ready(self) -> bool:
-        return self._batch_ready.is_set()
+    def flat_ready(self) -> bool:
+        return "flat" in self._runs
+
+    def install(self, kind: str, run) -> None:
+        """Serve `kind` steps with `run`: what `_prepare` does with a loaded package (a test may
+        give the torch module a package is compiled from)."""
+        self._runs[kind] = run
 
     @property
     def started(self) -> bool:
@@ -341,7 +352,7 @@ class CompiledDecode:
         """Start if not started, then block until every step of `kinds` is ready (True) or one
         failed or `timeout` passed (False)."""
         self.start()._thread.join(timeout)
-        return ("lone" not in self.kinds or self.ready) and ("batch" not in self.kinds or self.batch_ready)
+        return all(kind in self._runs for kind in self.kinds)
 
     def _prepare(self) -> None:
         with contextlib.suppress(OSError):  # this thread only: the serving thread keeps its priority
@@ -371,13 +382,7 @@ class CompiledDecode:
                     problem = digest_problem(path)
                     if problem is not None:
                         raise RuntimeError(f"the package built was refused: {problem}")
-                run = torch._inductor.aoti_load_package(str(path))
-                if kind == "lone":
-                    self._run = run
-                    self._ready.set()
-                else:
-                    self._batch_run = run
-                    self._batch_ready.set()
+                self.install(kind, torch._inductor.aoti_load_package(str(path)))
                 log.info("compiled %s decode step ready (%s)", kind, path.name)
             except Exception as error:  # the eager path goes on serving
                 self.error = f"{kind} step: {type(error).__name__}: {error}"
@@ -436,37 +441,21 @@ class CompiledDecode:
             grown[:, :, :, :past].copy_(self._buffer[:, :, :, :past])
             self._buffer = grown
         cos_sin = self.decoder.rotary.table[position]
-        logits, new_kv, best = self._run(torch.tensor([token]), cos_sin[0:1], cos_sin[1:2], self._buffer,
+        logits, new_kv, best = self._runs["lone"](torch.tensor([token]), cos_sin[0:1], cos_sin[1:2], self._buffer,
                                          torch.tensor(past))
         self._buffer[:, :, :, past].copy_(new_kv)
         kv_cache[blocks[past // block_size], :, :, :, past % block_size].copy_(new_kv)
         self._blocks, self._filled = list(blocks), max(self._filled, length)
         return logits, best
 
-    def decode_batch(self, tokens: list[int], tables: list[list[int]], lengths: list[int], kv_cache: torch.Tensor,
-                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of each sequence: its `tokens[i]` is the last of `lengths[i]` tokens
-        held in blocks `tables[i]` of the paged cache. Returns fp32 logits `[rows, vocab]` and
-        their argmax `[rows]`; stores each new token's K/V in the cache."""
-        past = [n - 1 for n in lengths]
-        # The leading blocks every sequence shares, before all of their new tokens: read once.
-        common, limit, first = 0, min(past) // block_size, tables[0]
-        while common < limit and all(table[common] == first[common] for table in tables):
-            common += 1
-        if common:
-            shared, shared_bias = torch.tensor(first[:common]), torch.zeros(common * block_size)
-        else:  # nothing shared: one block no key of which counts
-            shared, shared_bias = torch.zeros(1, dtype=torch.int64), torch.full((block_size,), float("-inf"))
-        width = max(1, max(-(-p // block_size) for p in past) - common)
-        own = torch.tensor([(table[common:common + width] + [0] * width)[:width] for table in tables])
-        keys = common * block_size + torch.arange(width * block_size)
-        own_bias = torch.where(keys[None, :] < torch.tensor(past)[:, None], 0.0, float("-inf"))
-        cos_sin = self.decoder.rotary.table[torch.tensor(past)]
-        logits, new_kv, best = self._batch_run(torch.tensor(tokens), cos_sin[:, 0].contiguous(),
-                                               cos_sin[:, 1].contiguous(), kv_cache, shared, shared_bias, own,
-                                               own_bias)
-        blocks = torch.tensor([table[p // block_size] for table, p in zip(tables, past)])
-        kv_cache[blocks, :, :, :, torch.tensor(past) % block_size] = new_kv
+    def run_flat(self, sequences: list[FlatSequence], kv_cache: torch.Tensor,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of any mix of prompt chunks and decodes (models/flat_step.py). Returns fp32
+        logits and their argmax for each sequence that samples, in the order given; stores every
+        new token's K/V in the cache."""
+        batch = flat_batch(sequences, block_size, self.decoder.rotary.table)
+        logits, new_kv, best = self._runs["flat"](*batch.arguments(kv_cache))
+        kv_cache[batch.blocks, :, :, :, batch.offsets] = new_kv[batch.stored_rows]
         return logits, best
 
     @staticmethod
@@ -485,10 +474,10 @@ class CompiledDecode:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Build a compiled decode step (a lone chat's or a batch's) for a model and dtype.")
+    parser = argparse.ArgumentParser(description="Build a compiled step (a lone chat's decode, or the flat step) for a model and dtype.")
     parser.add_argument("--model", default=None, help="folder or hub id (default: $MODEL, else the embedded model)")
     parser.add_argument("--dtype", choices=[str(d).removeprefix("torch.") for d in DTYPES], default="float32")
-    parser.add_argument("--kind", choices=KINDS, default="lone", help="a lone chat's step or a batch's")
+    parser.add_argument("--kind", choices=KINDS, default="lone", help="a lone chat's decode step, or the flat step")
     parser.add_argument("--out", default=None, help="package path (default: this machine's cache entry)")
     parser.add_argument("--background", action="store_true", help="at a low priority (beside a serving engine)")
     parser.add_argument("--scratch", default=None,

@@ -13,8 +13,13 @@ import kernels
 from engine.core.scheduler_output import SchedulerOutput
 from engine.worker.compiled_decode import BATCH_BLOCK_SIZE, MAX_BATCH, MAX_CONTEXT, CompiledDecode
 from engine.worker.decode_graphs import DecodeGraphs
+from engine.worker.flat_batch import FlatSequence
 from engine.worker.models.llama import AttentionMetadata, LlamaModel
 from engine.worker.sampler import SamplingRow, make_generator, sample
+
+
+# The longest prompt chunk the compiled flat step takes (its attention pads chunks to the longest).
+FLAT_MAX_CHUNK = 256
 
 
 class ModelRunner:
@@ -52,7 +57,7 @@ class ModelRunner:
         # Per request sampled this step (when its params ask for logprobs): for each sample, the
         # model's log-probabilities of its top tokens and of the sampled one.
         self.logprobs: dict[str, list[dict[int, float]]] = {}
-        self.last_path = ""  # how the last step ran: "lone", "batch" (compiled), "graphs" or "eager"
+        self.last_path = ""  # how the last step ran: "lone" or "flat" (compiled), "graphs" or "eager"
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         for request_id in out.finished_ids:
@@ -88,15 +93,12 @@ class ModelRunner:
             logits, known_argmax = self.compiled.decode(input_ids[0], positions[0], table_rows[0], k_lens[0],
                                                         self.kv_cache, bs)
             self.last_path = "lone"
-        elif (len(input_ids) == len(table_rows) and self.compiled is not None and self.compiled.batch_ready
-              and 1 < len(table_rows) <= MAX_BATCH and bs == BATCH_BLOCK_SIZE and max(k_lens) <= MAX_CONTEXT):
-            # A batch of decodes (one new token per sequence), as one compiled call.
-            logits, best = self.compiled.decode_batch(input_ids, table_rows, k_lens, self.kv_cache, bs)
-            if len(sample_rows) < len(table_rows):  # a one-token prompt chunk that does not sample
-                rows = torch.tensor(sample_rows, dtype=torch.int64)
-                logits, best = logits[rows], best[rows]
-            known_argmax = best
-            self.last_path = "batch"
+        elif self._flat_fits(table_rows, cu_q, k_lens):
+            # Decodes and prompt chunks, any mix of them, as one compiled call.
+            sequences = [FlatSequence(item.request.all_token_ids[item.start:item.start + item.num_new_tokens],
+                                      item.start, item.request.block_ids, item.num_samples > 0) for item in out.scheduled]
+            logits, known_argmax = self.compiled.run_flat(sequences, self.kv_cache, bs)
+            self.last_path = "flat"
         else:
             logits = self._forward_eager(input_ids, positions, slots, cu_q, k_lens, table_rows, sample_rows)
             self.last_path = "eager"
@@ -104,6 +106,14 @@ class ModelRunner:
         if not sample_rows:
             return {}
         return self._sample(out, logits, sample_rows, known_argmax)
+
+    def _flat_fits(self, table_rows: list[list[int]], cu_q: list[int], k_lens: list[int]) -> bool:
+        """Whether the compiled flat step takes this step: it is loaded, the cache has its block
+        size, and the step is one a chat server makes (chunks up to FLAT_MAX_CHUNK tokens:
+        longer prompts take the eager forward, whose attention tiles long queries)."""
+        return (self.compiled is not None and self.compiled.flat_ready and self.block_size == BATCH_BLOCK_SIZE
+                and len(table_rows) <= MAX_BATCH and max(k_lens) <= MAX_CONTEXT
+                and max(b - a for a, b in zip(cu_q, cu_q[1:])) <= FLAT_MAX_CHUNK)
 
     def idle(self) -> None:
         """Nothing is left to run: drop what only a next step could use (a lone chat's kept K/V,

@@ -1,0 +1,149 @@
+"""A step of prompt chunks beside decodes, each way the engine can run it, timed in one process.
+
+A busy chat server's steps carry a few prompt chunks (new chats past their cached system prompt,
+follow-up turns past their cached history) beside many decodes. This benchmark lays out such
+steps in the paged cache the way the load of benchmarks/serve.py makes them (four shared system
+prompts of ~150 tokens, each chat's own history after them), then times each step, round after
+round, through both paths that can take it: the eager forward (`ModelRunner._forward_eager`) and
+the compiled flat step (`CompiledDecode.run_flat`). Each side's logits are checked against the
+eager forward's first. The compiled packages are built first where this machine has none (minutes).
+
+    .venv/bin/python benchmarks/mixed_step.py [--dtype float32] [--rounds 10]
+
+Prints a table (median ms per step, each path against eager) and one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the repository root
+
+from benchmarks.machine import cpu_model  # noqa: E402
+
+# (decodes, chunks as (past tokens, new tokens)): a quiet server to a busy one
+SHAPES = [(16, []), (32, []), (8, [(150, 25)]), (16, [(150, 25)]), (32, [(150, 25)]), (32, [(300, 40)]),
+          (32, [(150, 25), (260, 30)]), (24, [(150, 128)]), (0, [(150, 25)]), (0, [(150, 25), (150, 20), (310, 35)])]
+SYSTEM_TOKENS = 150
+BLOCK = 16
+
+
+class Layout:
+    """Hands out blocks: four system prompts' blocks shared, every sequence's own after them."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.next = 0
+        self.num_blocks = num_blocks
+        self.systems = [self.take(SYSTEM_TOKENS // BLOCK) for _ in range(4)]
+
+    def take(self, count: int) -> list[int]:
+        if self.next + count > self.num_blocks:
+            raise SystemExit("the cache is too small for these shapes")
+        blocks = list(range(self.next, self.next + count))
+        self.next += count
+        return blocks
+
+    def table(self, system: int, length: int) -> list[int]:
+        shared = self.systems[system]
+        return shared + self.take(-(-length // BLOCK) - len(shared))
+
+
+def sequences_of(shape, layout: Layout, rng: random.Random, vocab: int):
+    from engine.worker.flat_batch import FlatSequence
+
+    decodes, chunks = shape
+    out = []
+    for i in range(decodes):
+        past = SYSTEM_TOKENS + rng.randrange(20, 250)
+        out.append(FlatSequence([rng.randrange(vocab)], past, layout.table(i % 4, past + 1), True))
+    for i, (past, new) in enumerate(chunks):
+        out.append(FlatSequence([rng.randrange(vocab) for _ in range(new)], past, layout.table(i % 4, past + new),
+                                True))
+    return out
+
+
+def eager(runner, sequences):
+    bs = runner.block_size
+    input_ids, positions, slots, cu_q, k_lens, tables = [], [], [], [0], [], []
+    for s in sequences:
+        end = s.start + len(s.tokens)
+        input_ids += s.tokens
+        positions += range(s.start, end)
+        slots += [s.table[p // bs] * bs + p % bs for p in range(s.start, end)]
+        cu_q.append(cu_q[-1] + len(s.tokens))
+        k_lens.append(end)
+        tables.append(s.table)
+    runner._last_plan = None
+    return runner._forward_eager(input_ids, positions, slots, cu_q, k_lens, tables, list(range(len(sequences))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=3, help="steps per side per round")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--flat-package", default=None,
+                        help="time this flat package instead of the engine's own (a variant of models/flat_step.py)")
+    args = parser.parse_args()
+
+    import torch
+
+    from engine import LLM
+
+    llm = LLM(args.model, dtype=args.dtype, num_gpu_blocks=2048, num_cpu_blocks=16, compile_decode=True)
+    core = llm.engine.core
+    runner, compiled = core.runner, core.compiled
+    if compiled is None or not compiled.wait():
+        raise SystemExit(f"no compiled steps: {compiled.error if compiled else 'compile_decode is off here'}")
+    if args.flat_package:
+        compiled.install("flat", torch._inductor.aoti_load_package(args.flat_package))
+    torch.manual_seed(args.seed)
+    runner.kv_cache.normal_()
+    rng = random.Random(args.seed)
+    layout = Layout(runner.kv_cache.shape[0])
+    vocab = core.model.shape.vocab_size
+    cases = [(shape, sequences_of(shape, layout, rng, vocab)) for shape in SHAPES]
+
+    def sides(sequences):
+        paths = {"eager": lambda: eager(runner, sequences),
+                 "flat": lambda: compiled.run_flat(sequences, runner.kv_cache, runner.block_size)[0]}
+        return paths
+
+    rows = []
+    with torch.inference_mode():
+        for shape, sequences in cases:
+            paths = sides(sequences)
+            reference = paths["eager"]().clone()
+            diffs = {name: float((run() - reference).abs().max()) for name, run in paths.items()}
+            times: dict[str, list[float]] = {name: [] for name in paths}
+            for _ in range(args.rounds):
+                for name, run in paths.items():
+                    run()
+                    start = time.perf_counter()
+                    for _ in range(args.repeat):
+                        run()
+                    times[name].append(1000 * (time.perf_counter() - start) / args.repeat)
+            medians = {name: statistics.median(values) for name, values in times.items()}
+            rows.append({"decodes": shape[0], "chunks": shape[1], "rows": sum(len(s.tokens) for s in sequences),
+                         "ms": {k: round(v, 2) for k, v in medians.items()},
+                         "vs_eager": {k: round(v / medians["eager"], 3) for k, v in medians.items()},
+                         "max_abs_diff": diffs})
+    print(f"{cpu_model()}, {args.dtype}, {args.rounds} rounds of {args.repeat} steps a side, medians")
+    print(f"{'decodes':>7} {'chunks (past, new)':<32} {'rows':>5} {'eager ms':>9} {'flat ms':>8} {'flat/eager':>10}")
+    for row in rows:
+        ms = row["ms"]
+        print(f"{row['decodes']:>7} {str(row['chunks']):<32} {row['rows']:>5} {ms['eager']:>9.1f} {ms['flat']:>8.1f} "
+              f"{row['vs_eager']['flat']:>10.3f}")
+    print(json.dumps({"cpu": cpu_model(), "dtype": args.dtype, "model": core.model_name, "rounds": args.rounds,
+                      "steps": rows}))
+
+
+if __name__ == "__main__":
+    main()
