@@ -16,7 +16,7 @@ import torch
 import kernels
 from engine.core.block_hash import DEFAULT_HASH_ALGO
 from engine.core.block_map import BlockMap, BlockMapState
-from engine.core.config import DEFAULT_MAX_STEP_MS, SchedulerConfig
+from engine.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_STEP_MS, SchedulerConfig
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
@@ -39,7 +39,8 @@ class EngineCore:
                  dtype: str | torch.dtype | None = None, *, block_size: int = 16,
                  num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, kv_cache_memory_gib: float = 1.0,
-                 swap_space: float = 1.0, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 swap_space: float = 1.0, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO, preemption_mode: str = "auto", watermark: float = 0.01,
                  cuda_graphs: bool | None = None, compile_decode: bool | None = None,

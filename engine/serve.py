@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from engine.api import add_openai_api
 from engine.api.access import is_loopback
 from engine.core.block_hash import DEFAULT_HASH_ALGO, HASH_ALGOS
-from engine.core.config import DEFAULT_MAX_STEP_MS, QUANTIZATIONS
+from engine.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_STEP_MS, QUANTIZATIONS
 from engine.frontend.request_streams import StreamingClient
 
 
@@ -62,6 +62,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-step-ms", type=float, default=float(env("PAGEDCHAT_MAX_STEP_MS", DEFAULT_MAX_STEP_MS)),
                         help="step-time target: prompts are computed in chunks that keep every streaming reply's "
                              f"steps under it; 0 turns it off ($PAGEDCHAT_MAX_STEP_MS; default {DEFAULT_MAX_STEP_MS:g})")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=int(env("PAGEDCHAT_MAX_NUM_BATCHED_TOKENS", DEFAULT_MAX_NUM_BATCHED_TOKENS)),
+                        help="the most tokens one step computes, prompt chunks and decodes together "
+                             f"($PAGEDCHAT_MAX_NUM_BATCHED_TOKENS; default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    parser.add_argument("--max-model-len", type=int, default=_optional_int(env("PAGEDCHAT_MAX_MODEL_LEN")),
+                        help="the longest context, prompt and reply, a request may have ($PAGEDCHAT_MAX_MODEL_LEN; "
+                             "default: the model's, or what the KV pool holds if less)")
     parser.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS,
                         default=env("PAGEDCHAT_PREFIX_CACHING_HASH_ALGO", DEFAULT_HASH_ALGO),
                         help="the prefix cache's block hash: xxh3 (fast, unkeyed) or sha256 (no collision can be "
@@ -77,6 +84,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "($PAGEDCHAT_ENGINE_IN_PROCESS=1)")
 
 
+def _optional_int(value: str | None) -> int | None:
+    return int(value) if value else None
+
+
 def start_engine(args: argparse.Namespace, max_waiting: int, **options) -> StreamingClient:
     """The engine client that `args` ask for: the engine core in its own process (the default)
     or on a thread of this one. `options`: more of the engine's."""
@@ -87,7 +98,8 @@ def begin_engine(args: argparse.Namespace, max_waiting: int, **options) -> Calla
     """`start_engine` in two halves: the engine core's process starts loading the model now, and
     what is returned finishes the client when called, so the caller's own start-up runs meanwhile."""
     options = {"num_gpu_blocks": args.num_gpu_blocks, "num_cpu_blocks": args.num_cpu_blocks,
-               "max_step_ms": args.max_step_ms or None, "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
+               "max_step_ms": args.max_step_ms or None, "max_num_batched_tokens": args.max_num_batched_tokens,
+               "max_model_len": args.max_model_len, "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
                "quantization": args.quantization, **options}
     if args.engine_in_process:
         from engine.client import EngineClient

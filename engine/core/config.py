@@ -17,6 +17,9 @@ PREEMPTION_MODES = ("swap", "recompute", "auto")
 # Reading speed is ~5 words (~7 tokens) a second; an online service's usual bar for a good stream
 # is 200 ms between tokens at p99, which noise on a busy machine must stay under.
 DEFAULT_MAX_STEP_MS = 120.0
+# The most tokens one step computes (vLLM's max_num_batched_tokens): a prompt longer than what is
+# left of it goes on in chunks over the next steps.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # A GGUF file's quantized weights: kept quantized (native, CPU), made dense at load, or picked.
 QUANTIZATIONS = ("auto", "native", "dequantize")
 
@@ -27,7 +30,7 @@ class SchedulerConfig:
     num_host_blocks: int = 0            # host (swap) pool size in blocks
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None    # None: as long as the device pool can hold
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO  # "sha256" where users may attack each other (block_hash.py)
