@@ -19,7 +19,8 @@ The trace. Arrivals follow the clock (exponential gaps at the rate, seeded), not
 server slower than the rate shows it in growing latencies instead of a slower client. Each
 arrival is a new chat (one of the chat page's preset system prompts, `ui.presets.PRESETS`, and a
 question) or, half the time, the next turn of a chat whose last turn has finished (up to 4
-turns); temperature 0.7, 64 new tokens at most. On the page a new chat is a new anonymous user
+turns); temperature 0.7, every reply exactly 64 new tokens where the API takes `ignore_eos` and
+`min_tokens` (`--eos-ends` lets EOS end a reply, as it always may on the page). On the page a new chat is a new anonymous user
 (per-user limits never bite) on the preset by name, so its prompt is shared in the prefix cache
 as the API's is; a follow-up passes the conversation id its first turn returned. (A browser also
 fires the page's small follow-on events after each turn: the chat list, the buttons, the context
@@ -59,7 +60,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -328,8 +329,9 @@ class Target:
 async def api_request(target: Target, chat: Chat, max_tokens: int, ignore_eos: bool, timeout_s: float) -> Result:
     body = {"model": target.model, "messages": chat.messages, "max_tokens": max_tokens, "temperature": TEMPERATURE,
             "stream": True, "stream_options": {"include_usage": True}}
-    if ignore_eos:
+    if ignore_eos:  # exactly max_tokens: vLLM and ours take both; llama-server reads ignore_eos
         body["ignore_eos"] = True
+        body["min_tokens"] = max_tokens
     result, text = Result(), []
     started = time.perf_counter()
     response = None
@@ -481,8 +483,9 @@ async def page_request(target: Target, chat: Chat, max_tokens: int, timeout_s: f
 
 # ---- runs --------------------------------------------------------------------------------------
 
-async def one_turn(target: Target, chat: Chat, max_tokens: int, chats: Chats, timeout_s: float) -> Result:
-    result = await target.ask(chat, max_tokens, timeout_s=timeout_s)
+async def one_turn(target: Target, chat: Chat, max_tokens: int, chats: Chats, timeout_s: float,
+                   exact: bool = False) -> Result:
+    result = await target.ask(chat, max_tokens, ignore_eos=exact, timeout_s=timeout_s)
     result.turn = sum(m["role"] == "user" for m in chat.messages)
     if result.ok:
         chats.finished(chat, result.text)
@@ -490,7 +493,7 @@ async def one_turn(target: Target, chat: Chat, max_tokens: int, chats: Chats, ti
 
 
 async def arrivals(target: Target, rate: float, duration_s: float, max_tokens: int, seed: int,
-                   timeout_s: float) -> tuple[list[Result], float]:
+                   timeout_s: float, exact: bool) -> tuple[list[Result], float]:
     rng = random.Random(seed)
     chats = Chats(rng)
     tasks = []
@@ -500,17 +503,18 @@ async def arrivals(target: Target, rate: float, duration_s: float, max_tokens: i
         delay = started + next_at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one_turn(target, chats.next_chat(), max_tokens, chats, timeout_s)))
+        tasks.append(asyncio.create_task(one_turn(target, chats.next_chat(), max_tokens, chats, timeout_s, exact)))
         next_at += rng.expovariate(rate)
     results = await asyncio.gather(*tasks)
     return results, time.perf_counter() - started
 
 
 def run_rate(target: Target, rate: float, duration_s: float, max_tokens: int = 64, seed: int = 0,
-             ttft_slo_s: float = 1.0, itl_slo_ms: float = 200.0, timeout_s: float = 600) -> dict:
-    """The trace at `rate` requests/s for `duration_s` of arrivals, and its figures."""
+             ttft_slo_s: float = 1.0, itl_slo_ms: float = 200.0, timeout_s: float = 600, exact: bool = True) -> dict:
+    """The trace at `rate` requests/s for `duration_s` of arrivals, and its figures. `exact`: every
+    reply `max_tokens` long where the API can be told so (not on the page)."""
     cpu = time.process_time()
-    results, wall = asyncio.run(arrivals(target, rate, duration_s, max_tokens, seed, timeout_s))
+    results, wall = asyncio.run(arrivals(target, rate, duration_s, max_tokens, seed, timeout_s, exact))
     cpu = time.process_time() - cpu
     tokens_from = target.count_tokens(results)  # after the window: not timed, not the client's share
     done = [r for r in results if r.ok]
@@ -518,7 +522,7 @@ def run_rate(target: Target, rate: float, duration_s: float, max_tokens: int = 6
     gaps = [g for r in done for g in r.gaps_s]
     with_cache = [r for r in done if r.cached_tokens is not None and r.prompt_tokens]
     prompt = sum(r.prompt_tokens for r in with_cache)
-    return {"rate": rate, "sent": len(results), "follow_ups": sum(r.turn > 1 for r in results),
+    return {"rate": rate, "exact": exact and target.protocol == "openai", "sent": len(results), "follow_ups": sum(r.turn > 1 for r in results),
             "completed": len(done), "failed": len(results) - len(done),
             "errors": sorted({r.error for r in results if r.error})[:5], "wall_s": round(wall, 1),
             "req_per_s": round(len(done) / wall, 3),
@@ -532,6 +536,51 @@ def run_rate(target: Target, rate: float, duration_s: float, max_tokens: int = 6
             "good_share": round(len(good) / len(results), 3) if results else None,
             "client_cpu_s": round(cpu, 2), "client_cpu_share": round(cpu / wall, 3),
             "cached_share": round(sum(r.cached_tokens for r in with_cache) / prompt, 3) if prompt else None}
+
+
+SUSTAINED = 0.95  # a rate is sustained when at least this share of its requests is good
+REFINE = 1.25     # the climb narrows the highest sustained rate to within this factor of the first unsustained one
+
+
+def sustained(row: dict) -> bool:
+    return (row["good_share"] or 0) >= SUSTAINED
+
+
+def climb(run: Callable[[float], dict], rates: list[float], refine: float = REFINE,
+          past_limit: tuple[float, ...] = ()) -> dict:
+    """Rates in increasing order until the first one whose good share is under SUSTAINED; then
+    rates between the highest sustained one and that one (the geometric mean of the two, again)
+    until they are at most `refine` apart; then, past the limit, each multiple in `past_limit` of
+    the highest sustained rate (how gently the system degrades). `run(rate)` gives a rate's row.
+    Returns every row in the order run, the highest sustained rate (None if not even the first),
+    the first unsustained one (None if every rate was sustained) and the past-the-limit rows."""
+    rows: list[dict] = []
+    good = bad = None
+    for rate in rates:
+        row = run(rate)
+        rows.append(row)
+        if not sustained(row):
+            bad = rate
+            break
+        good = rate
+    while good is not None and bad is not None and bad / good > refine * 1.0001:
+        rate = round((good * bad) ** 0.5, 3)
+        row = run(rate)
+        rows.append(row)
+        if sustained(row):
+            good = rate
+        else:
+            bad = rate
+    past = []
+    if good is not None:
+        done = {row["rate"]: row for row in rows}
+        for multiple in past_limit:
+            rate = round(good * multiple, 3)
+            row = done.get(rate) or run(rate)
+            if rate not in done:
+                rows.append(row)
+            past.append({"multiple": multiple, **row})
+    return {"rows": rows, "max_good_rate": good, "first_unsustained_rate": bad, "past_limit": past}
 
 
 def one_chat(target: Target, max_tokens: int = 300, seed: int = 0, timeout_s: float = 600) -> dict:
@@ -554,7 +603,7 @@ def warm(target: Target, requests: int = 3, max_tokens: int = 16) -> None:
     """A few requests one after another, so first-use costs are not in the figures."""
     chats = Chats(random.Random(12345))
     for _ in range(requests):
-        result = asyncio.run(one_turn(target, chats.next_chat(), max_tokens, chats, 300))
+        result = asyncio.run(one_turn(target, chats.next_chat(), max_tokens, chats, 300, target.protocol == "openai"))
         if not result.ok:
             raise RuntimeError(f"a warm-up request failed: {result.error}")
 
@@ -657,8 +706,12 @@ def main() -> None:
     parser.add_argument("--num-gpu-blocks", type=int, default=None, help="the pool of a server started here")
     parser.add_argument("--dtype", default=None, help="the dtype of a server started here (default: its auto)")
     parser.add_argument("--rates", default="0.5,1,2", help="request rates to run, per second, comma-separated")
-    parser.add_argument("--duration-s", type=float, default=60.0, help="arrivals per rate last this long")
+    parser.add_argument("--climb", action="store_true",
+                        help="--rates rise until one is not sustained, then narrow to within 1.25x")
+    parser.add_argument("--duration-s", type=float, default=30.0, help="arrivals per rate last this long")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--eos-ends", action="store_true",
+                        help="let EOS end a reply (default: exactly --max-tokens where the API takes ignore_eos)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ttft-slo-s", type=float, default=1.0, help="a good request's TTFT at most (s)")
     parser.add_argument("--itl-slo-ms", type=float, default=200.0, help="a good request's own ITL p99 at most (ms)")
@@ -680,8 +733,15 @@ def main() -> None:
         if args.warm:
             warm(target, args.warm)
         alone = one_chat(target, args.one_chat_tokens, args.seed) if args.one_chat_tokens else None
-        rows = [run_rate(target, float(rate), args.duration_s, args.max_tokens, args.seed, args.ttft_slo_s,
-                         args.itl_slo_ms, args.request_timeout_s) for rate in args.rates.split(",")]
+        def run(rate: float) -> dict:
+            row = run_rate(target, rate, args.duration_s, args.max_tokens, args.seed, args.ttft_slo_s,
+                           args.itl_slo_ms, args.request_timeout_s, not args.eos_ends)
+            print(table_row(row), flush=True)
+            return row
+
+        rates = sorted(float(rate) for rate in args.rates.split(","))
+        climbed = climb(run, rates) if args.climb else None
+        rows = climbed["rows"] if climbed else [run(rate) for rate in rates]
     finally:
         if server is not None:
             server.terminate()
@@ -693,21 +753,26 @@ def main() -> None:
             scratch.cleanup()
 
     what = target.model if args.protocol == "openai" else "the chat page"
+    length = "at most" if args.eos_ends or args.protocol == "gradio" else "exactly"
     print(f"{what} at {target.url} ({args.protocol}) — {cpu_model()}, {args.duration_s:g} s of arrivals per rate, "
-          f"{args.max_tokens} new tokens at most; good: TTFT <= {args.ttft_slo_s:g} s and own ITL p99 <= "
+          f"{length} {args.max_tokens} new tokens; good: TTFT <= {args.ttft_slo_s:g} s and own ITL p99 <= "
           f"{args.itl_slo_ms:g} ms")
     if alone is not None:
         print(f"one chat alone: {alone}")
     print(HEADER)
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["rate"]):
         print(table_row(r))
+    if climbed:
+        print(f"highest sustained rate: {climbed['max_good_rate']}; first unsustained: {climbed['first_unsustained_rate']}")
     sources = sorted({r["output_tokens_from"] for r in rows})
     print(f"output tokens from: {', '.join(sources)}")
     print(json.dumps({"model": target.model, "protocol": args.protocol, "url": target.url,
                       "base_url": target.url if args.protocol == "openai" else None, "cpu": cpu_model(),
                       "duration_s": args.duration_s, "max_tokens": args.max_tokens, "seed": args.seed,
-                      "ttft_slo_s": args.ttft_slo_s, "itl_slo_ms": args.itl_slo_ms, "one_chat": alone,
-                      "rates": rows}))
+                      "ttft_slo_s": args.ttft_slo_s, "itl_slo_ms": args.itl_slo_ms, "exact": not args.eos_ends,
+                      "one_chat": alone, "rates": rows,
+                      "max_good_rate": climbed["max_good_rate"] if climbed else None,
+                      "first_unsustained_rate": climbed["first_unsustained_rate"] if climbed else None}))
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ ran, decodes and prompt tokens), put load on it, then
 
     .venv/bin/python benchmarks/step_log.py FILE [--since-s 0]
 
-Prints, per kind of step (decodes alone by the compiled lone or batch graph, eagerly, or steps
-with prompt tokens), how many there were, their time p50/p99/max and share of the wall time;
-the gaps between steps (the core's own time outside them: taking requests, sending outputs);
-and the idle share. Ends with one JSON line.
+Prints, per kind of step (how it ran: the compiled lone, flat or batch graph, eagerly; "+prompt"
+for steps with prompt tokens), how many there were, their time p50/p99/max and share of the wall
+time, and for steps the step-cost model predicted (those with prompt tokens) the p50 and p99 of
+actual over predicted time; the gaps between steps (the core's own time outside them: taking
+requests, sending outputs); and the idle share. Ends with one JSON line.
 """
 from __future__ import annotations
 
@@ -39,16 +40,23 @@ def main() -> None:
     busy_gaps = [g for g in gaps if g < 5.0]  # longer ones: the engine had nothing to do
     rows = {}
     print(f"{len(steps)} steps over {wall:.1f} s")
-    print(f"{'kind':>14} {'steps':>6} {'rows':>6} {'prompt':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'share':>6}")
+    print(f"{'kind':>14} {'steps':>6} {'rows':>6} {'prompt':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'share':>6} "
+          f"{'act/pred p50':>12} {'p99':>6}")
     for kind, group in sorted(kinds.items()):
         times = [s["ms"] for s in group]
         row = {"steps": len(group), "rows_mean": round(statistics.mean(s["rows"] for s in group), 1),
                "prompt_mean": round(statistics.mean(s["prefill"] for s in group), 1),
                "p50_ms": round(pct(times, 0.5), 2), "p99_ms": round(pct(times, 0.99), 2), "max_ms": round(max(times), 2),
                "share": round(sum(times) / 1000 / wall, 3)}
+        # How far the step-cost model was off, where it predicted (a prediction of 0: no fit yet)
+        errors = [s["ms"] / s["predicted_ms"] for s in group if s.get("predicted_ms")]
+        row["actual_over_predicted"] = ({"p50": round(pct(errors, 0.5), 3), "p99": round(pct(errors, 0.99), 3),
+                                         "steps": len(errors)} if errors else None)
         rows[kind] = row
+        error = row["actual_over_predicted"]
+        error = f"{error['p50']:>12} {error['p99']:>6}" if error else f"{'-':>12} {'-':>6}"
         print(f"{kind:>14} {row['steps']:>6} {row['rows_mean']:>6} {row['prompt_mean']:>7} {row['p50_ms']:>8} "
-              f"{row['p99_ms']:>8} {row['max_ms']:>8} {100 * row['share']:>5.1f}%")
+              f"{row['p99_ms']:>8} {row['max_ms']:>8} {100 * row['share']:>5.1f}% {error}")
     between = {"mean_ms": round(statistics.mean(busy_gaps), 3) if busy_gaps else None,
                "p99_ms": round(pct(busy_gaps, 0.99), 3) if busy_gaps else None,
                "share": round(sum(busy_gaps) / 1000 / wall, 3)}
