@@ -27,8 +27,9 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the repository root
 from benchmarks.machine import cpu_model  # noqa: E402
 
 # (decodes, chunks as (past tokens, new tokens)): a quiet server to a busy one
-SHAPES = [(16, []), (32, []), (8, [(150, 25)]), (16, [(150, 25)]), (32, [(150, 25)]), (32, [(300, 40)]),
-          (32, [(150, 25), (260, 30)]), (24, [(150, 128)]), (0, [(150, 25)]), (0, [(150, 25), (150, 20), (310, 35)])]
+SHAPES = [(4, []), (8, []), (16, []), (32, []), (64, []), (8, [(150, 25)]), (16, [(150, 25)]), (32, [(150, 25)]),
+          (32, [(300, 40)]), (32, [(150, 25), (260, 30)]), (24, [(150, 128)]), (0, [(150, 25)]),
+          (0, [(150, 25), (150, 20), (310, 35)])]
 SYSTEM_TOKENS = 150
 BLOCK = 16
 
@@ -67,7 +68,7 @@ def sequences_of(shape, layout: Layout, rng: random.Random, vocab: int):
     return out
 
 
-def eager(runner, sequences):
+def eager(runner, sequences, native: bool = False):
     bs = runner.block_size
     input_ids, positions, slots, cu_q, k_lens, tables = [], [], [], [0], [], []
     for s in sequences:
@@ -79,7 +80,13 @@ def eager(runner, sequences):
         k_lens.append(end)
         tables.append(s.table)
     runner._last_plan = None
-    return runner._forward_eager(input_ids, positions, slots, cu_q, k_lens, tables, list(range(len(sequences))))
+    keep = runner.model.row_attention
+    if not native:
+        runner.model.row_attention = None
+    try:
+        return runner._forward_eager(input_ids, positions, slots, cu_q, k_lens, tables, list(range(len(sequences))))
+    finally:
+        runner.model.row_attention = keep
 
 
 def main() -> None:
@@ -97,7 +104,7 @@ def main() -> None:
 
     from engine import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, num_gpu_blocks=2048, num_cpu_blocks=16, compile_decode=True)
+    llm = LLM(args.model, dtype=args.dtype, num_gpu_blocks=4096, num_cpu_blocks=16, compile_decode=True)
     core = llm.engine.core
     runner, compiled = core.runner, core.compiled
     if compiled is None or not compiled.wait():
@@ -114,6 +121,8 @@ def main() -> None:
     def sides(sequences):
         paths = {"eager": lambda: eager(runner, sequences),
                  "flat": lambda: compiled.run_flat(sequences, runner.kv_cache, runner.block_size)[0]}
+        if runner.uses_row_attention([len(s.tokens) for s in sequences]):
+            paths["eager-native"] = lambda: eager(runner, sequences, native=True)
         return paths
 
     rows = []
@@ -131,16 +140,25 @@ def main() -> None:
                         run()
                     times[name].append(1000 * (time.perf_counter() - start) / args.repeat)
             medians = {name: statistics.median(values) for name, values in times.items()}
-            rows.append({"decodes": shape[0], "chunks": shape[1], "rows": sum(len(s.tokens) for s in sequences),
+            q_lens = [len(s.tokens) for s in sequences]
+            cu_q = [0]
+            for n in q_lens:
+                cu_q.append(cu_q[-1] + n)
+            takes = "flat" if runner._flat_fits([s.table for s in sequences], cu_q, [s.start + n for s, n in zip(sequences, q_lens)]) \
+                and not runner._rows_outrun_flat([], cu_q) else "eager-native" if "eager-native" in paths else "eager"
+            rows.append({"decodes": shape[0], "chunks": shape[1], "rows": sum(q_lens), "engine_takes": takes,
                          "ms": {k: round(v, 2) for k, v in medians.items()},
                          "vs_eager": {k: round(v / medians["eager"], 3) for k, v in medians.items()},
                          "max_abs_diff": diffs})
     print(f"{cpu_model()}, {args.dtype}, {args.rounds} rounds of {args.repeat} steps a side, medians")
-    print(f"{'decodes':>7} {'chunks (past, new)':<32} {'rows':>5} {'eager ms':>9} {'flat ms':>8} {'flat/eager':>10}")
+    print(f"{'decodes':>7} {'chunks (past, new)':<32} {'rows':>5} {'eager ms':>9} {'native ms':>10} {'flat ms':>8} "
+          f"{'native/eager':>12} {'flat/eager':>10} {'engine takes':>13}")
     for row in rows:
-        ms = row["ms"]
-        print(f"{row['decodes']:>7} {str(row['chunks']):<32} {row['rows']:>5} {ms['eager']:>9.1f} {ms['flat']:>8.1f} "
-              f"{row['vs_eager']['flat']:>10.3f}")
+        ms, ratio = row["ms"], row["vs_eager"]
+        native = f"{ms['eager-native']:.1f}" if "eager-native" in ms else "-"
+        native_ratio = f"{ratio['eager-native']:.3f}" if "eager-native" in ratio else "-"
+        print(f"{row['decodes']:>7} {str(row['chunks']):<32} {row['rows']:>5} {ms['eager']:>9.1f} {native:>10} "
+              f"{ms['flat']:>8.1f} {native_ratio:>12} {ratio['flat']:>10.3f} {row['engine_takes']:>13}")
     print(json.dumps({"cpu": cpu_model(), "dtype": args.dtype, "model": core.model_name, "rounds": args.rounds,
                       "steps": rows}))
 

@@ -189,12 +189,14 @@ def test_refuses_what_it_cannot_serve(tiny_model_dir, tmp_path):
 def test_a_lone_chat_goes_on_from_the_last_steps_plan_until_blocks_move(tiny_model_dir, tokenizer, monkeypatch):
     """One chat decoding alone keeps its gathered K/V from step to step (kernels/reference.py
     `LoneDecode`): each step's plan is made from the last one. A step that swaps or copies blocks
-    starts afresh, whatever the blocks now hold, and an idle engine keeps none of it."""
+    starts afresh, whatever the blocks now hold, and an idle engine keeps none of it. (torch's
+    attention, as a bf16 or GPU engine runs it: a float32 one's eager steps take the native rows.)"""
     import kernels
     from engine.core.scheduler_output import SchedulerOutput
 
     llm = LLM(tiny_model_dir, num_gpu_blocks=64, num_cpu_blocks=8)
     runner = llm.engine.runner
+    runner.model.row_attention = None
     handed = []
     plan_attention = kernels.plan_attention
 
@@ -226,6 +228,7 @@ def test_a_step_on_another_path_drops_the_kept_k_v(tiny_model_dir, tokenizer):
     rule for every writer (ModelRunner._wrote)."""
     llm = LLM(tiny_model_dir, num_gpu_blocks=64, num_cpu_blocks=64, max_num_seqs=4, cuda_graphs=True)
     runner = llm.engine.runner
+    runner.model.row_attention = None  # torch's attention keeps a lone chat's K/V; the native rows keep none
     assert runner.graphs is not None
     ids = prompts_of(tokenizer, TEXTS[2:3])
     llm.engine.add_request("lone", ids[0], SamplingParams(max_tokens=8, **GREEDY))

@@ -14,12 +14,15 @@ from engine.core.scheduler_output import SchedulerOutput
 from engine.worker.compiled_decode import BATCH_BLOCK_SIZE, MAX_BATCH, MAX_CONTEXT, CompiledDecode
 from engine.worker.decode_graphs import DecodeGraphs
 from engine.worker.flat_batch import FlatSequence
+from engine.worker.models.layers import row_attention
+from engine.worker.models.layers.row_attention import row_inputs
 from engine.worker.models.llama import AttentionMetadata, LlamaModel
 from engine.worker.sampler import SamplingRow, make_generator, sample
 
 
 # The longest prompt chunk the compiled flat step takes (its attention pads chunks to the longest).
 FLAT_MAX_CHUNK = 256
+ROWS_OUTRUN_FLAT = 12  # decodes in a step from which the native row attention beats the flat step (_rows_outrun_flat)
 
 
 class ModelRunner:
@@ -57,7 +60,9 @@ class ModelRunner:
         # Per request sampled this step (when its params ask for logprobs): for each sample, the
         # model's log-probabilities of its top tokens and of the sampled one.
         self.logprobs: dict[str, list[dict[int, float]]] = {}
-        self.last_path = ""  # how the last step ran: "lone" or "flat" (compiled), "graphs" or "eager"
+        # How the last step ran: "lone" or "flat" (compiled), "graphs" (CUDA), "eager" (torch's ops), "eager-native"
+        # (torch's ops, the native row attention) or "native" (a quantized model's layers in native code)
+        self.last_path = ""
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         for request_id in out.finished_ids:
@@ -93,15 +98,14 @@ class ModelRunner:
             logits, known_argmax = self.compiled.decode(input_ids[0], positions[0], table_rows[0], k_lens[0],
                                                         self.kv_cache, bs)
             self.last_path = "lone"
-        elif self._flat_fits(table_rows, cu_q, k_lens):
+        elif self._flat_fits(table_rows, cu_q, k_lens) and not self._rows_outrun_flat(input_ids, cu_q):
             # Decodes and prompt chunks, any mix of them, as one compiled call.
             sequences = [FlatSequence(item.request.all_token_ids[item.start:item.start + item.num_new_tokens],
                                       item.start, item.request.block_ids, item.num_samples > 0) for item in out.scheduled]
             logits, known_argmax = self.compiled.run_flat(sequences, self.kv_cache, bs)
             self.last_path = "flat"
-        else:
+        else:  # sets last_path: "eager", "eager-native" (the native row attention) or "native" (a quantized model's layers)
             logits = self._forward_eager(input_ids, positions, slots, cu_q, k_lens, table_rows, sample_rows)
-            self.last_path = "eager"
         self._wrote(self.last_path)
         if not sample_rows:
             return {}
@@ -114,6 +118,20 @@ class ModelRunner:
         return (self.compiled is not None and self.compiled.flat_ready and self.block_size == BATCH_BLOCK_SIZE
                 and len(table_rows) <= MAX_BATCH and max(k_lens) <= MAX_CONTEXT
                 and max(b - a for a, b in zip(cu_q, cu_q[1:])) <= FLAT_MAX_CHUNK)
+
+    def _rows_outrun_flat(self, input_ids: list[int], cu_q: list[int]) -> bool:
+        """Whether the eager forward with the native row attention beats the compiled flat step
+        on this step: where it has ROWS_OUTRUN_FLAT decodes or more. The decodes' attention is
+        where the native rows win (a 32-chat step of SmolLM2 in fp32 on a 2-core Intel Xeon, 112
+        against 144 ms; with a 25-token chunk beside them 144 against 180); in fewer rows the
+        eager forward's ~450 small ops cost more than that (4 rows 56 against 48 ms, 8 rows 65
+        against 61, 16 rows 84 against 90)."""
+        q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
+        return sum(n == 1 for n in q_lens) >= ROWS_OUTRUN_FLAT and self.uses_row_attention(q_lens)
+
+    def uses_row_attention(self, q_lens: list[int]) -> bool:
+        """Whether an eager step with these sequences' new tokens takes the native row attention."""
+        return self.model.row_attention is not None and max(q_lens) <= row_attention.MAX_QUERY
 
     def idle(self) -> None:
         """Nothing is left to run: drop what only a next step could use (a lone chat's kept K/V,
@@ -145,20 +163,24 @@ class ModelRunner:
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in table_rows], dtype=torch.int32)
         block_table = block_table.to(device, non_blocking=True)
         slot_mapping = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
+        q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
         # A step the model decodes natively reads and writes the paged cache itself: no store index, no plan.
-        native = self.model.decodes_natively(len(input_ids), len(k_lens), max(b - a for a, b in zip(cu_q, cu_q[1:])))
+        native = self.model.decodes_natively(len(input_ids), len(k_lens), max(q_lens))
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             slot_index=None if native else kernels.slot_index(slot_mapping, self.block_size, self.kv_cache),
             cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
             seqused_k=torch.tensor(k_lens, dtype=torch.int32).to(device, non_blocking=True),
             block_table=block_table)
-        if not native:
+        if not native and self.uses_row_attention(q_lens):
+            meta.row_tables, meta.row_contexts = row_inputs(q_lens, k_lens, block_table)
+        elif not native:
             meta.plan = kernels.plan_attention(
-                q_lens=[b - a for a, b in zip(cu_q, cu_q[1:])], k_lens=k_lens, num_heads=shape.num_heads,
+                q_lens=q_lens, k_lens=k_lens, num_heads=shape.num_heads,
                 kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, cache=self.kv_cache, block_table=block_table,
                 block_size=self.block_size, previous=self._last_plan)
         self._last_plan = meta.plan
+        self.last_path = "native" if native else "eager-native" if meta.row_contexts is not None else "eager"
         # Empty when every request is mid-prompt: the step only fills the cache.
         logits_indices = torch.tensor([cu_q[i + 1] - 1 for i in sample_rows], dtype=torch.int64, device=device)
         return self.model.forward(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),

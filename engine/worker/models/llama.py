@@ -25,6 +25,7 @@ from engine.worker.models.layers.linear import Linear, settle_few_row_path
 from engine.worker.models.layers.quantized_linear import QuantizedLinear
 from engine.worker.models.layers.rms_norm import RMSNorm
 from engine.worker.models.layers.rotary import RotaryTable, rotate
+from engine.worker.models.layers.row_attention import RowAttention
 from engine.worker.models.layers.shape import DecoderShape
 from engine.worker.models.weights import DecoderWeights, Weight
 from engine.worker.quantized import native
@@ -48,6 +49,10 @@ class AttentionMetadata:
     block_table: torch.Tensor    # [num_seqs, max_blocks] int32
     plan: object = None          # the kernels' per-step tiling (kernels.plan_attention), if they use one
     slot_index: object = None    # the slots as the kernels' store wants them (kernels.slot_index), if it does
+    # For the native row attention (layers/row_attention.py), each token's table and context
+    # (int32, `row_inputs`); None: the kernels' attention
+    row_tables: torch.Tensor | None = None
+    row_contexts: torch.Tensor | None = None
 
 
 @dataclass
@@ -94,6 +99,8 @@ class LlamaModel:
             lib = native.library()
             for norm in [self.norm, *(n for layer in self.layers for n in (layer.input_norm, layer.post_norm))]:
                 norm.native = lib
+        # A dense float32 model's attention on a CPU, in native code where it builds (else torch's).
+        self.row_attention = None if self.quantized else RowAttention.of(dtype, device, shape.num_kv_heads)
         self._kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     @property
@@ -162,8 +169,11 @@ class LlamaModel:
             k = qkv[:, q_size:q_size + kv_size].view(-1, shape.num_kv_heads, dim)
             v = qkv[:, q_size + kv_size:].view(-1, shape.num_kv_heads, dim)
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.slot_index)
-            attn = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
-                                           meta.block_table, shape.scale, attention_plan=meta.plan)
+            if meta.row_contexts is not None:
+                attn = self.row_attention(q, k_cache, v_cache, meta.row_tables, meta.row_contexts, shape.scale)
+            else:
+                attn = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
+                                               meta.block_table, shape.scale, attention_plan=meta.plan)
             hidden = hidden + layer.o_proj(attn.reshape(-1, q_size))
             gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, dim=-1)
             hidden = hidden + layer.down(silu_and_mul(gate, up))
