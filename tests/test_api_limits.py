@@ -68,11 +68,6 @@ class StreamClock:
         finally:
             self.finished.set()
 
-    def largest_gap(self, start: float, end: float) -> float:
-        """The longest wait for a chunk anywhere in [start, end] (a chunk after `end` must have come)."""
-        times = [start] + [t for t in self.arrivals if start < t < end] + [next(t for t in self.arrivals if t >= end)]
-        return max(b - a for a, b in zip(times, times[1:]))
-
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=60)
@@ -80,6 +75,9 @@ class StreamClock:
 
 # ---- heavy text work stays off the event loop ---------------------------------------------------------
 def test_a_large_tokenize_does_not_stall_another_users_stream(server):
+    """While one user's /tokenize of 2 MB runs, another user's reply goes on streaming: chunks
+    arrive between the tokenize's start and its answer (on the event loop, or holding the
+    server's GIL, the whole tokenize would be one gap with none inside it)."""
     stream = StreamClock(server.url)
     try:
         wait_for(lambda: len(stream.arrivals) >= 5, "the stream's first chunks", interval=0.01)
@@ -92,9 +90,8 @@ def test_a_large_tokenize_does_not_stall_another_users_stream(server):
         wait_for(lambda: stream.arrivals[-1] > end or stream.finished.is_set(), "a chunk after the tokenize",
                  interval=0.01)
         assert not stream.finished.is_set() or stream.arrivals[-1] > end, "the stream ended before the tokenize did"
-        gap, took = stream.largest_gap(start, end), end - start
-        # On the event loop the whole tokenize is one gap; off it the stream keeps its pace.
-        assert gap < took / 4, f"the stream waited {gap:.2f} s for a chunk while a tokenize took {took:.2f} s"
+        during = [t for t in stream.arrivals if start < t < end]
+        assert len(during) >= 3, f"{len(during)} chunks arrived while a tokenize ran for {end - start:.2f} s"
     finally:
         stream.close()
 

@@ -39,7 +39,8 @@ def add_openai_api(app: FastAPI, client: StreamingClient, model_name: str | None
     model_name = model_name or info.model
     tokenizer = copy.deepcopy(client.tokenizer)  # the API's own: a fast tokenizer is not thread-safe
     completions = Completions(client, tokenizer, model_name)
-    tokenization = Tokenization(copy.deepcopy(client.tokenizer), info.max_model_len)  # used on a thread of its own
+    tokenization = Tokenization(client.tokenizer, info.max_model_len)  # copied into a process of its own
+    app.router.add_event_handler("shutdown", tokenization.close)
     metrics = EngineMetrics(client, model_name)
     created = int(time.time())
     install_error_handlers(app)

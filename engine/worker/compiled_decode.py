@@ -38,19 +38,18 @@ import json
 import logging
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engine.parent_watch import end_with_parent
 from engine.worker.flat_batch import FlatSequence, flat_batch
 from engine.worker.model_loader import cache_dir, load_checkpoint, resolve_model
 from engine.worker.package_trust import digest_path, digest_problem, folder_problem, install
@@ -275,23 +274,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _end_with_parent(parent: int) -> None:
-    """End this build, and its process group, when the engine process `parent` is gone: a killed
-    engine can end nothing, and its build would compile on for minutes, orphaned."""
-    def watch() -> None:
-        try:
-            handle = os.pidfd_open(parent)
-        except (AttributeError, OSError):  # no pidfds here, or the parent is gone already
-            handle = None
-        if handle is not None and os.getppid() == parent:
-            select.select([handle], [], [])  # readable once it has exited
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        if os.getpgrp() == os.getpid():  # a group of its own: the compiler's workers are in it
-            os.killpg(os.getpgrp(), signal.SIGKILL)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
+def _end_group() -> None:
+    """Kill this build's process group (the compiler's workers are in it), when it has one."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 class CompiledDecode:
@@ -485,7 +471,7 @@ def main() -> None:
     parser.add_argument("--parent", type=int, default=None, help="end when this process (the engine) is gone")
     args = parser.parse_args()
     if args.parent is not None:
-        _end_with_parent(args.parent)
+        end_with_parent(args.parent, _end_group)  # a killed engine can end nothing: its build ends itself
     if args.background:
         os.nice(10)
     dtype = getattr(torch, args.dtype)
