@@ -23,7 +23,7 @@ import signal
 import sys
 from pathlib import Path
 
-from engine.serve import add_engine_arguments, begin_engine
+from engine.serve import add_engine_arguments, begin_engine, freeze_startup_heap
 from ui import space
 
 
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         # through SystemExit then runs the `finally` below: the engine stops, the last backup.
         # A reply still streaming when it comes gets a few seconds to finish.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        freeze_startup_heap()
         AppServer(uvicorn.Config(server, host=args.host, port=args.port, log_level="warning",
                                  timeout_graceful_shutdown=SHUTDOWN_GRACE_S)).run()
     finally:

@@ -13,6 +13,7 @@ made on this machine: one through a reverse proxy here (it carries X-Forwarded-F
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from collections.abc import Callable
 
@@ -115,14 +116,23 @@ def begin_engine(args: argparse.Namespace, max_waiting: int, **options) -> Calla
     return CoreProcessClient.starting(args.model, args.device, args.dtype, max_waiting=max_waiting, **options)
 
 
+def freeze_startup_heap() -> None:
+    """Move what start-up made (torch, the tokenizer, the app) out of the collector's reach: an
+    oldest-generation collection then scans only what requests made since, where scanning the
+    whole heap held up every stream for 20-140 ms (engine/core_process.py does the same)."""
+    gc.collect()
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     args = parse_args(argv)
     client = start_engine(args, args.max_waiting, max_num_seqs=args.max_num_seqs)
+    app = build_server(client, args.served_model_name, args.api_key)
+    freeze_startup_heap()
     try:
-        uvicorn.run(build_server(client, args.served_model_name, args.api_key), host=args.host, port=args.port,
-                    log_level="warning")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         client.close()
 
