@@ -180,14 +180,12 @@ def test_under_saturation_prompts_keep_a_share_of_each_step():
     assert decodes >= 40 and expected * 0.8 <= chunk <= expected * 1.05, (chunk, expected)
 
 
-def test_the_longer_the_queue_waits_the_more_of_each_step_prompts_get():
-    """Saturated as above, with a clock: a prompt whose request has waited two seconds gets
-    (a quarter + two) decode times of the step, a fresh one a quarter; once it has its first
-    token the queue is back to a quarter."""
-    now = [0.0]
-    sched, runner = make(clock=lambda: now[0], num_device_blocks=2048, max_num_batched_tokens=4096,
-                         max_step_ms=5.0, min_prompt_chunk=4, block_size=16)
-    for i in range(40):
+def saturated(target_ms: float, chats: int, clock) -> tuple:
+    """A scheduler with `chats` chats decoding and a step-cost model that has learned from steps
+    with decodes, the queue empty."""
+    sched, runner = make(clock=clock, num_device_blocks=2048, max_num_batched_tokens=4096, max_step_ms=target_ms,
+                         min_prompt_chunk=4, block_size=16)
+    for i in range(chats):
         sched.add_request(request(f"chat{i}", prompt(i, 10), max_tokens=400, ignore_eos=True))
     for i in range(8):
         sched.add_request(request(f"teach{i}", prompt(50 + i, 20 + 7 * i), max_tokens=1, ignore_eos=True))
@@ -197,21 +195,70 @@ def test_the_longer_the_queue_waits_the_more_of_each_step_prompts_get():
         out, _ = run_step(sched, runner)
         sched.observe_step(out, simulated_seconds(out))
     assert sched.step_cost.ready and not sched.waiting
+    return sched, runner
 
-    def chunk_of(rid: str) -> tuple[int, int]:
+
+def test_the_longer_the_queue_waits_the_more_of_each_step_prompts_get_up_to_a_longest_step():
+    """Twelve chats decode in about half the target: a fresh prompt gets the time they leave; one
+    whose request has waited two seconds gets more (a quarter + two decode times), but only up
+    to a step of 1.5 times the target, so the streaming chats keep their pace."""
+    now = [0.0]
+    target_ms = 40.0
+    sched, runner = saturated(target_ms, 12, lambda: now[0])
+
+    def chunk_of(rid: str) -> tuple[int, int, float]:
         out, _ = run_step(sched, runner)
-        sched.observe_step(out, simulated_seconds(out))
+        seconds = simulated_seconds(out)
+        sched.observe_step(out, seconds)
         return (sum(item.num_new_tokens for item in out.scheduled if item.request_id == rid),
-                sum(item.num_new_tokens == 1 for item in out.scheduled))
+                sum(item.num_new_tokens == 1 for item in out.scheduled), seconds)
 
     sched.add_request(request("fresh", prompt(98, 2000), max_tokens=2, ignore_eos=True))
-    fresh, decodes = chunk_of("fresh")
+    fresh, decodes, _ = chunk_of("fresh")
     decode_s = BASE_S + DECODE_S * decodes
-    assert fresh == pytest.approx(0.25 * decode_s / TOKEN_S, rel=0.2)
+    assert decodes == 12 and fresh == pytest.approx((target_ms / 1000 - decode_s) / TOKEN_S, rel=0.2)
     sched.finish_request("fresh")
 
     sched.add_request(request("late", prompt(99, 2000), max_tokens=2, ignore_eos=True))
-    now[0] += 2.0  # it waited two seconds before this step
-    late, decodes = chunk_of("late")
+    now[0] += 2.0  # it waited two seconds before this step: 2.25 decode times would pass 1.5 targets
+    late, decodes, seconds = chunk_of("late")
     decode_s = BASE_S + DECODE_S * decodes
-    assert late == pytest.approx(2.25 * decode_s / TOKEN_S, rel=0.2) and late > 5 * fresh
+    assert late == pytest.approx((1.5 * target_ms / 1000 - decode_s) / TOKEN_S, rel=0.2) and late > 1.5 * fresh
+    assert seconds <= 1.5 * target_ms / 1000 * 1.05
+
+
+def test_when_decodes_alone_pass_the_longest_step_the_queues_wait_adds_nothing():
+    """Forty chats decoding take longer than 1.5 targets (they came in before the model could
+    say so): a prompt that waited two seconds still gets a quarter of their time, as a fresh one."""
+    now = [0.0]
+    sched, runner = saturated(5.0, 40, lambda: now[0])
+    sched.add_request(request("late", prompt(99, 2000), max_tokens=2, ignore_eos=True))
+    now[0] += 2.0
+    out, _ = run_step(sched, runner)
+    late = sum(item.num_new_tokens for item in out.scheduled if item.request_id == "late")
+    decode_s = BASE_S + DECODE_S * sum(item.num_new_tokens == 1 for item in out.scheduled)
+    assert late == pytest.approx(0.25 * decode_s / TOKEN_S, rel=0.2)
+
+
+def test_requests_join_only_while_the_running_set_decodes_within_the_longest_step():
+    """A burst of 40 chats onto a server whose step-cost model knows a decode costs 1.5 ms over a
+    4-ms step, with a 20-ms target: at most 17 run at once (4 + 1.5 x 17 <= 30 ms), the others
+    wait, and every one of them finishes."""
+    sched, runner = saturated(20.0, 2, lambda: 0.0)
+    burst = [request(f"burst{i}", prompt(200 + i, 12), max_tokens=30, ignore_eos=True) for i in range(40)]
+    for r in burst:
+        sched.add_request(r)
+    steps: list = []
+    most = 0
+    for _ in range(5000):
+        if not any(r.request_id in sched.requests for r in burst):
+            break
+        out, _ = run_step(sched, runner)
+        sched.observe_step(out, simulated_seconds(out))
+        check_invariants(sched)
+        most = max(most, len(sched.running))
+        steps.append(out)
+    else:
+        raise AssertionError("the burst never finished")
+    assert 12 <= most <= 17, most
+    assert sched.num_steps and all(r.is_finished for r in burst)

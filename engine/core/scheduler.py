@@ -14,7 +14,9 @@ Each step spends a token budget (`max_num_batched_tokens`) in this order:
    the prefix cache; only when nothing is swapped out (swapped requests resume first), nothing
    was preempted, and under the same watermark. A prompt larger than the budget left starts
    with a chunk. A request whose next block is still being computed for another request waits
-   for it (one step, usually) rather than computing it again.
+   for it (one step, usually) rather than computing it again. With a step-time target, a
+   request joins the running set only while all of them would still decode within 1.5 times
+   the target (`_room_to_decode`).
 
 With a step-time target (`max_step_ms`), prompt tokens get only the time the step's decodes
 leave under it, as the step-cost model (engine/core/step_cost.py, fitted online to this engine's
@@ -23,9 +25,11 @@ chat keeps its pace, instead of one step that stalls them all (Sarathi-Serve's s
 batching). So that prompts always progress, a step may compute `min_prompt_chunk` prompt tokens,
 and prompts get at least a quarter of the decodes' time, even when the decodes alone take the
 whole target (a saturated server). That share grows by one decode time for each second the
-oldest request without a first token has waited: under a load the target cannot hold, steps
-lengthen (the streaming chats slow) instead of the queue backing up behind a few chats decoding
-in small batches, where both waits and throughput collapse. A step with no decodes has no one
+oldest request without a first token has waited, up to a step of 1.5 times the target: under a
+load the target cannot hold, steps lengthen (the streaming chats slow) instead of the queue
+backing up behind a few chats decoding in small batches, where both waits and throughput
+collapse; but no further, and no more chats join the running set than can decode within that
+(the streaming chats stay within what their readers follow; the next wait in the queue). A step with no decodes has no one
 to stall: its prompts get the token budget alone (a lone chat's first token comes sooner).
 
 Preemption is by swap (the victim's blocks are copied to the host pool; it resumes from
@@ -59,6 +63,7 @@ from engine.core.step_cost import StepCostModel, StepShape, keys_read
 
 PROMPT_SHARE = 0.25  # of a step's decode time, the least that prompts get in it
 QUEUE_PATIENCE_S = 1.0  # each second the queue's head waits adds one decode time for prompts (a chat's TTFT goal)
+LONGEST_STEP = 1.5  # times the target: the most that the queue's wait stretches a step, and a running set's decodes
 
 
 class PromptTooLongError(ValueError):
@@ -195,6 +200,8 @@ class Scheduler:
             in_flight = self._blocks_in_flight() if self.waiting and cfg.enable_prefix_caching else set()
             while self.waiting and budget > 0 and len(running) < cfg.max_num_seqs:
                 request = self.waiting[0]
+                if not self._room_to_decode(request):
+                    break
                 cached = kv.find_cached_prefix(request)
                 hashes = request.block_hashes
                 if len(cached) < len(hashes) and hashes[len(cached)] in in_flight:
@@ -291,13 +298,33 @@ class Scheduler:
             return
         self._unlimited = False
         if self.step_cost.ready:
+            target = self.config.max_step_ms / 1000
             decode_time = self.step_cost.predict(StepShape(decodes, 0, keys))
             # Under a load whose decodes alone overrun the target, prompts still get a share of
-            # each step, larger the longer the queue's head has waited: the queue keeps moving
-            # (replies are slower for everyone, not never).
+            # each step, larger the longer the queue's head has waited, but never so large that
+            # the step passes LONGEST_STEP times the target: the queue keeps moving, and the
+            # chats already streaming keep a pace their readers can follow.
             waited = 0.0 if oldest is None else max(self.clock() - oldest, 0.0)
-            share = PROMPT_SHARE + waited / QUEUE_PATIENCE_S
-            self._prompt_time = max(self.config.max_step_ms / 1000 - decode_time, share * decode_time)
+            share = min(PROMPT_SHARE + waited / QUEUE_PATIENCE_S,
+                        max((LONGEST_STEP * target - decode_time) / decode_time, PROMPT_SHARE))
+            self._prompt_time = max(target - decode_time, share * decode_time)
+
+    def _room_to_decode(self, request: Request) -> bool:
+        """Whether `request` may join the running set under the step-time target: once it and
+        every running request decode, their step must be predicted within LONGEST_STEP times the
+        target. Past that, every chat already streaming would slow beyond what its reader follows
+        to let one more start: it waits in the queue instead (and the ones streaming stay good).
+        No limit without a target, before the cost model is ready, with nothing running, or
+        where one sequence's decode alone takes half the target (a model too large for it: then
+        batching is all that helps)."""
+        if self.config.max_step_ms is None or not self.running or not self.step_cost.ready:
+            return True
+        target = self.config.max_step_ms / 1000
+        predict = self.step_cost.predict
+        if 2 * predict(StepShape(1, 0, request.num_tokens)) > target:
+            return True
+        keys = request.num_tokens + sum(r.num_tokens for r in self.running)
+        return predict(StepShape(len(self.running) + 1, 0, keys)) <= LONGEST_STEP * target
 
     def _chunk(self, request: Request, remaining: int, budget: int, start: int | None = None) -> int:
         """How many of a request's `remaining` tokens to compute this step, from position `start`
