@@ -14,13 +14,16 @@ from kernels import reference
 BACKENDS = ("triton", "torch")
 
 
-def backend(tensor: torch.Tensor) -> str:
+def forced_backend() -> str | None:
+    """The backend PAGEDCHAT_KERNELS forces for every attention and cache store, if any."""
     forced = os.environ.get("PAGEDCHAT_KERNELS", "").strip().lower()
-    if forced:
-        if forced not in BACKENDS:
-            raise ValueError(f"PAGEDCHAT_KERNELS must be one of {BACKENDS}, got {forced!r}")
-        return forced
-    return "triton" if tensor.is_cuda else "torch"
+    if forced and forced not in BACKENDS:
+        raise ValueError(f"PAGEDCHAT_KERNELS must be one of {BACKENDS}, got {forced!r}")
+    return forced or None
+
+
+def backend(tensor: torch.Tensor) -> str:
+    return forced_backend() or ("triton" if tensor.is_cuda else "torch")
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping, slot_index=None) -> None:

@@ -87,9 +87,10 @@ def test_a_large_tokenize_does_not_stall_another_users_stream(server):
         end = time.monotonic()
         assert answer.status_code == 200, answer.text[:500]
         assert answer.json()["count"] > 100_000
+        # (The tokenizer's worker runs at nice 19, so under this stream a tokenize may take longer than
+        # the whole reply: chunks arriving until the stream's end count as not stalled.)
         wait_for(lambda: stream.arrivals[-1] > end or stream.finished.is_set(), "a chunk after the tokenize",
                  interval=0.01)
-        assert not stream.finished.is_set() or stream.arrivals[-1] > end, "the stream ended before the tokenize did"
         during = [t for t in stream.arrivals if start < t < end]
         assert len(during) >= 3, f"{len(during)} chunks arrived while a tokenize ran for {end - start:.2f} s"
     finally:

@@ -1,6 +1,7 @@
 """The benchmark scripts still run and end with their JSON line (figures are not asserted:
 speed is shown by the benchmarks themselves, in BENCHMARKS.md)."""
 import json
+import sys
 from pathlib import Path
 
 from preloaded_python import run_python
@@ -31,21 +32,24 @@ from engine.worker.models import llama
 
 def VARIANTS(model, inputs):
     input_ids, positions, kv_cache, meta, logits_indices = inputs
-    assert input_ids.shape[0] == 2 and meta.plan is not None  # a decode step of both chats
+    # a decode step of both chats, through torch's attention or (float32 on a CPU) the native rows
+    assert input_ids.shape[0] == 2 and (meta.plan is not None or meta.row_contexts is not None)
+
+    def replace(attention):
+        original, native = kernels.paged_attention, model.row_attention
+        kernels.paged_attention = attention
+        if native is not None:
+            model.row_attention = attention
+        def undo():
+            kernels.paged_attention, model.row_attention = original, native
+        return undo
 
     def same():
-        original = kernels.paged_attention
-        kernels.paged_attention = lambda *args, **kwargs: original(*args, **kwargs)
-        def undo():
-            kernels.paged_attention = original
-        return undo
+        chosen = model.row_attention if meta.row_contexts is not None else kernels.paged_attention
+        return replace(lambda *args, **kwargs: chosen(*args, **kwargs))
 
     def no_attention():
-        original = kernels.paged_attention
-        kernels.paged_attention = lambda q, *args, **kwargs: q.clone()
-        def undo():
-            kernels.paged_attention = original
-        return undo
+        return replace(lambda q, *args, **kwargs: q.clone())
 
     return {"same": same, "no attention": no_attention}
 """
@@ -121,7 +125,7 @@ def test_soak_script_short(tiny_model_dir):
     assert figures["page_loads"] > 0 and figures["page_load_p99_s"] is not None
 
 
-RATE_FIELDS = {"rate", "sent", "follow_ups", "completed", "failed", "errors", "wall_s", "req_per_s", "output_tok_s",
+RATE_FIELDS = {"rate", "exact", "sent", "follow_ups", "completed", "failed", "errors", "wall_s", "req_per_s", "output_tok_s",
                "output_tokens_from", "ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "good", "goodput_req_s",
                "good_share", "ttft_missed", "itl_missed", "client_cpu_s", "client_cpu_share", "cached_share"}
 
@@ -152,7 +156,7 @@ def test_serve_script_short(tiny_model_dir):
     assert figures["protocol"] == "openai" and figures["ttft_slo_s"] == 1.0 and figures["itl_slo_ms"] == 200.0
     [row] = figures["rates"]
     check_rate_row(row)
-    assert row["output_tokens_from"] == "usage"
+    assert row["output_tokens_from"] == "usage" and row["exact"]  # every reply max_tokens long
     alone = figures["one_chat"]  # EOS ignored: all 24 tokens
     assert alone["ok"] and alone["tokens"] == 24 and alone["tok_s"] > 0 and alone["output_tokens_from"] == "usage"
 
@@ -170,7 +174,7 @@ def test_serve_script_gradio_protocol(tiny_model_dir, tmp_path):
         asked = store.db.execute("select count(*) from messages where role = 'user'").fetchone()[0]
     [row] = figures["rates"]
     check_rate_row(row)
-    assert row["output_tokens_from"] == "retokenized"
+    assert row["output_tokens_from"] == "retokenized" and not row["exact"]  # the page has no ignore_eos
     # One stored question per request (and the chat alone's); a follow-up adds none of its own chats.
     assert asked == row["sent"] + 1 and conversations == row["sent"] - row["follow_ups"] + 1
     alone = figures["one_chat"]
@@ -196,27 +200,57 @@ def test_serve_comparison_script_runs_the_engine_and_reports_peers_not_set_up(ti
     engine's rates (climbing in increasing order) and its one chat, the peers reported missing
     with what to run, and the JSON line's shape."""
     figures = last_json_line(["benchmarks/peers/serve_compare.py", "--systems", "engine,vllm,llamacpp,llamacpp_q4_1",
-                              "--model", tiny_model_dir, "--dtype", "float32", "--rates", "3,1", "--duration-s", "1",
-                              "--max-tokens", "8", "--one-chat-tokens", "12", "--build", str(tmp_path)])
+                              "--model", tiny_model_dir, "--dtype", "float32", "--rates", "3,1", "--past-limit", "2",
+                              "--duration-s", "1", "--max-tokens", "8", "--one-chat-tokens", "12", "--build", str(tmp_path)])
     assert figures["dtype"] == "float32" and figures["cpu"] and figures["rates_asked"] == [1.0, 3.0]
     engine = figures["systems"]["engine"]
     rows = engine["rates"]
-    assert [row["rate"] for row in rows] == [1.0, 3.0][:len(rows)] and rows, engine
+    assert rows and rows[0]["rate"] == 1.0, engine
     for row in rows:
         assert row["completed"] == row["sent"] > 0 and row["good"] <= row["completed"]
-    # The climb stops after the first rate with fewer than 95% good requests.
-    assert all(row["good_share"] >= 0.95 for row in rows[:-1])
-    if rows[-1]["good_share"] >= 0.95:
-        assert len(rows) == 2 and engine["max_good_rate"] == 3.0 and engine["sustained_every_rate"]
+    by_rate = {row["rate"]: row for row in rows}
+    best, first_bad = engine["max_good_rate"], engine["first_unsustained_rate"]
+    if best is None:  # not even the first rate: nothing more runs
+        assert [row["rate"] for row in rows] == [1.0] and first_bad == 1.0 and engine["past_limit"] == []
     else:
-        assert engine["first_unsustained_rate"] == rows[-1]["rate"]
-        assert engine["max_good_rate"] == (rows[-2]["rate"] if len(rows) > 1 else None)
+        assert by_rate[best]["good_share"] >= 0.95
+        assert engine["past_limit"] == [{"multiple": 2.0, "rate": best * 2, "good_share": by_rate[best * 2]["good_share"]}]
+        if first_bad is None:
+            assert best == 3.0 and engine["sustained_every_rate"]
+        else:  # narrowed to within 1.25x of the limit
+            assert by_rate[first_bad]["good_share"] < 0.95 and best < first_bad <= best * 1.25 * 1.0001
     assert engine["one_chat_tok_s"] > 0 and engine["one_chat"]["tokens"] == 12
     assert "--dtype float32" in engine["command"] and "compiled_wait_s" in engine
     systems = figures["systems"]
     assert "vllm_cpu.sh setup" in systems["vllm"]["missing"]
     assert "OUTTYPE=f32" in systems["llamacpp"]["missing"] and "llama-server" in systems["llamacpp_q4_1"]["missing"]
     assert figures["ratios"] == {}
+
+
+def test_the_climb_narrows_the_limit_then_runs_past_it():
+    """`serve.climb` on a system that sustains up to 5 requests/s: the asked rates until the
+    first unsustained one, geometric means until the limit is bracketed within 1.25x, then the
+    multiples of the highest sustained rate."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import serve
+
+    ran = []
+
+    def run(rate):
+        ran.append(rate)
+        return {"rate": rate, "good_share": 1.0 if rate <= 5 else 0.5}
+
+    climbed = serve.climb(run, [1, 2, 4, 8, 16], past_limit=(1.5, 2))
+    good, bad = climbed["max_good_rate"], climbed["first_unsustained_rate"]
+    assert ran[:4] == [1, 2, 4, 8] and 16 not in ran
+    assert good <= 5 < bad <= good * 1.25 * 1.0001 and all(4 < r < 8 for r in ran[4:-2])
+    assert [p["rate"] for p in climbed["past_limit"]] == ran[-2:] == [round(good * 1.5, 3), round(good * 2, 3)]
+    assert [row["rate"] for row in climbed["rows"]] == ran
+    # Nothing sustained: no narrowing, nothing past the limit.
+    ran.clear()
+    assert serve.climb(run, [8, 16], past_limit=(2,)) == {"rows": [{"rate": 8, "good_share": 0.5}],
+                                                          "max_good_rate": None, "first_unsustained_rate": 8,
+                                                          "past_limit": []}
 
 
 def test_quantized_matrix_script_small():

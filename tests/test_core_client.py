@@ -103,10 +103,17 @@ def test_a_killed_core_ends_every_stream_with_an_error_and_a_new_one_serves(tiny
 
 
 def core_children(pid: int) -> list[int]:
+    """The server's engine-core processes: its children but the tokenizer's worker, which runs at
+    nice 19 (engine/api/tokenization.py)."""
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         children += [int(c) for c in (task / "children").read_text().split()]
-    return children
+    return [c for c in children if nice_of(c) != 19]
+
+
+def nice_of(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[16])  # stat's 19th field; the first two (pid, comm) are cut off above
 
 
 def test_the_api_server_says_503_while_its_core_restarts_then_serves(tiny_model_dir):

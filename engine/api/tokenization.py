@@ -25,7 +25,7 @@ from fastapi.responses import Response
 
 from engine.api.errors import bad_request
 from engine.api.protocol import DetokenizeRequest, TokenizeRequest
-from engine.parent_watch import end_with_parent
+from engine.worker.parent_watch import end_with_parent
 
 _tokenizer = None  # the worker's own, set by _start_worker
 

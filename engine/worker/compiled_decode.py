@@ -49,9 +49,10 @@ from pathlib import Path
 
 import torch
 
-from engine.parent_watch import end_with_parent
+from engine.worker.parent_watch import end_with_parent
 from engine.worker.flat_batch import FlatSequence, flat_batch
-from engine.worker.model_loader import cache_dir, load_checkpoint, resolve_model
+from engine.worker.cache_folders import packages_folder
+from engine.worker.model_loader import load_checkpoint, resolve_model
 from engine.worker.package_trust import digest_path, digest_problem, folder_problem, install
 from engine.worker.models.llama import LlamaModel
 
@@ -124,10 +125,6 @@ def package_path(model: str | None, dtype: torch.dtype, kind: str = "lone") -> P
                                      for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
     return packages_folder() / f"{_PREFIX[kind]}-{name}-{str(dtype).removeprefix('torch.')}-{key}.pt2"
-
-
-def packages_folder() -> Path:
-    return Path(os.environ.get("PAGEDCHAT_COMPILED_DIR") or cache_dir() / "compiled")
 
 
 def staging_path(out: Path, pid: int) -> Path:

@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.worker.cache_folders import cache_dir
+
 if TYPE_CHECKING:  # imported where used: a server's front end needs the tokenizer, not torch (~2 s of CPU)
     import torch
 
@@ -34,10 +36,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 class UnsupportedModelError(ValueError):
     pass
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDCHAT_CACHE", Path.home() / ".cache" / "pagedchat"))
 
 
 def is_gguf_path(model: str | os.PathLike | None) -> bool:

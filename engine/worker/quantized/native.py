@@ -3,7 +3,7 @@
 once per machine into one library and loaded with ctypes.
 
 The library is built with the system's C compiler for this CPU's instructions (`-march=native`)
-into the compiled packages' folder (engine/worker/compiled_decode.packages_folder), named by a
+into its own cache folder (engine/worker/cache_folders.native_folder), named by a
 hash of the source, the compiler and the CPU, in about a second. It links the OpenMP runtime
 torch already loaded (libgomp.so.1), so its loops share torch's threads and thread count.
 Loading it runs native code in the engine's process, so the packages' rule applies
@@ -23,6 +23,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+from engine.worker.cache_folders import native_folder
 from engine.worker.package_trust import digest_problem, folder_problem, install
 
 log = logging.getLogger(__name__)
@@ -70,11 +71,9 @@ def _cpu_flags() -> str:
 
 
 def library_path(compiler: str) -> Path:
-    from engine.worker.compiled_decode import packages_folder
-
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     identity = "\n".join([*(path.read_text() for path in (*SOURCES, HEADER)), compiler, version, " ".join(FLAGS), _cpu_flags()])
-    return packages_folder() / f"qmatmul-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
+    return native_folder() / f"qmatmul-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
 
 
 def _build(compiler: str, out: Path) -> None:

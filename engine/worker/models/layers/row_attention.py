@@ -20,6 +20,8 @@ import ctypes
 
 import torch
 
+import kernels
+
 MAX_QUERY = 128  # a sequence's new tokens in a step, at most, for this attention
 
 
@@ -32,8 +34,9 @@ class RowAttention:
     @classmethod
     def of(cls, dtype: torch.dtype, device: torch.device, num_kv_heads: int) -> RowAttention | None:
         """The attention for a model computing in `dtype` on `device`: float32 on a CPU only (the
-        kernel reads a float32 cache), and only where the native library builds and loads."""
-        if dtype != torch.float32 or device.type != "cpu":
+        kernel reads a float32 cache), only where the native library builds and loads, and not
+        where PAGEDCHAT_KERNELS forces one backend for every attention."""
+        if dtype != torch.float32 or device.type != "cpu" or kernels.forced_backend() is not None:
             return None
         from engine.worker.quantized import native
 
