@@ -1,4 +1,4 @@
-"""`make bench-peers GGUF=...`'s pieces (issue 34's benchmark files): benchmarks/peers/gguf_models.py's
+"""`make bench-peers GGUF=...`'s pieces (the GGUF benchmark's files): benchmarks/peers/gguf_models.py's
 names, and compare.py's --gguf mode running ours on the embedded Q4_1 file with llama.cpp reported
 missing from an empty build folder. Making the 1B files needs llama.cpp built (llama_cpp.sh), which
 a test does not do; only that the script says so."""

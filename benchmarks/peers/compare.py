@@ -29,7 +29,7 @@ once per token). Start-up is to the first generated token, from process start.
 
 `--chats N` (default 32) shortens the workload for a smoke test; the figures above are of 32.
 
-**GGUF mode** (`--gguf FILE[,FILE...]`, `make bench-peers GGUF=...`; issue 34): ours and llama.cpp
+**GGUF mode** (`--gguf FILE[,FILE...]`, `make bench-peers GGUF=...`): ours and llama.cpp
 on THE SAME file each, the same workload and interleaved rounds, file after file. The file fixes
 the weights, so there are no dtypes: llama.cpp computes in its own way, ours runs the engine's
 `dtype=auto` (fp32 activations on a CPU without AMX or AVX-512 BF16) unless `--dtype` says

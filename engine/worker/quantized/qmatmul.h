@@ -73,9 +73,9 @@ void qlinear_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t i
                        const Scratch *scratch, const Part *parts, int64_t num_parts, float *y, int64_t y_stride);
 
 #ifndef BATCH_ROWS
-/* From this many rows (with two levels) qmatmul_batch.c's loops take a product: an 8,192 x 2,048
-   matrix at 8 and 12 rows ran 1.3-1.6x faster there in Q4_K and Q8_0 (Q6_K level at 8, 1.3x at
-   12) than on the int8 loops, which stay ahead at 2 rows (Zen 3, eighth session). */
+/* From this many rows (with two levels) qmatmul_batch.c's loops take a product: their tiles
+   reuse each unpacked weight chunk across the rows, which pays from about 8 rows, while the int8
+   loops stay ahead at a few rows (benchmarks/quantized_matrix.py measures both). */
 #define BATCH_ROWS 8
 #endif
 
