@@ -656,6 +656,23 @@ def test_packages_in_a_folder_others_can_write_are_neither_loaded_nor_built(fake
     assert any(str(fake_builds.folder) in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
+def test_a_background_build_yields_the_cpu_even_in_a_session_of_its_own():
+    """A build runs in a session of its own; where the kernel schedules sessions as groups
+    (autogroups), its nice value alone left it a whole core beside the engine: the group's nice
+    value is raised too."""
+    code = ("import os; from pathlib import Path; from engine.worker.compiled_decode import lower_priority; "
+            "before = os.nice(0); lower_priority(); group = Path('/proc/self/autogroup'); "
+            "print(os.nice(0) - before, group.read_text().split()[-1] if group.exists() else 'none')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1],
+                          start_new_session=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    raised, group_nice = done.stdout.split()
+    assert int(raised) == 10
+    enabled = Path("/proc/sys/kernel/sched_autogroup_enabled")
+    if enabled.exists() and enabled.read_text().strip() == "1":
+        assert group_nice == "19"
+
+
 def test_a_hung_build_is_stopped_with_its_whole_process_group(fake_builds, loads, tiny_model_dir, monkeypatch):
     """On its timeout a build is ended with every process it started (the compiler's workers),
     and what it left (half a package, its scratch folder) is removed."""

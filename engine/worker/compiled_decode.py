@@ -456,6 +456,17 @@ class CompiledDecode:
         self._blocks, self._filled = blocks[:used], past
 
 
+def lower_priority() -> None:
+    """A build beside a serving engine takes what CPU the engine leaves. Its nice value alone
+    does not do that where the kernel groups processes by session (autogroups: Debian's and
+    Ubuntu's default): a build in a session of its own is scheduled as a group beside the engine's,
+    whatever its nice value, and took a whole core from the engine's two. So the group's nice
+    value is raised too."""
+    os.nice(10)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/autogroup").write_text("19")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Build a compiled step (a lone chat's decode, or the flat step) for a model and dtype.")
     parser.add_argument("--model", default=None, help="folder or hub id (default: $MODEL, else the embedded model)")
@@ -470,7 +481,7 @@ def main() -> None:
     if args.parent is not None:
         end_with_parent(args.parent, _end_group)  # a killed engine can end nothing: its build ends itself
     if args.background:
-        os.nice(10)
+        lower_priority()
     dtype = getattr(torch, args.dtype)
     out = Path(args.out) if args.out else package_path(args.model, dtype, args.kind)
     if not args.out:
