@@ -46,6 +46,7 @@ def run(connection: Connection) -> None:
         log.exception("the engine core could not start")
         connection.send(("failed", f"{type(error).__name__}: {error}"))
         return
+    core.load_compiled_steps_if_built()
     # Everything loaded so far (torch, the model, its tables) lives as long as the process: frozen
     # out of the collector's reach, so that an oldest-generation collection scans only what the
     # requests made since. Scanning the whole heap took 60-150 ms, inside whichever step it fell

@@ -230,6 +230,14 @@ class EngineCore:
     def block_map_state(self) -> BlockMapState:
         return self.scheduler.block_map_state()
 
+    def load_compiled_steps_if_built(self, timeout_s: float = 300.0) -> None:
+        """For a server, before it takes requests: load the compiled steps now when they are built
+        already. Loading a package holds the GIL for seconds; started by the first step, it
+        stalled the first chats' streams by up to 2 s. A build (minutes) still starts with the
+        first step, the eager path serving meanwhile."""
+        if self.compiled is not None and not self.compiled.started and self.compiled.all_built():
+            self.compiled.wait(timeout_s)
+
     def compiled_pending(self) -> bool:
         """Whether a compiled decode step is still being built or loaded (the eager path serves meanwhile)."""
         return self.compiled is not None and not self.compiled.settled

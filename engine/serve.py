@@ -110,7 +110,12 @@ def begin_engine(args: argparse.Namespace, max_waiting: int, **options) -> Calla
         if threads:
             import torch
             torch.set_num_threads(threads)
-        return lambda: EngineClient(LLMEngine(args.model, args.device, args.dtype, **options), max_waiting=max_waiting)
+        def finish() -> StreamingClient:
+            engine = LLMEngine(args.model, args.device, args.dtype, **options)
+            engine.core.load_compiled_steps_if_built()  # as the core's process does: before requests
+            return EngineClient(engine, max_waiting=max_waiting)
+
+        return finish
     from engine.core_client import CoreProcessClient
 
     return CoreProcessClient.starting(args.model, args.device, args.dtype, max_waiting=max_waiting, **options)

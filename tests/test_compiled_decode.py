@@ -620,6 +620,32 @@ def test_a_package_whose_digest_does_not_match_is_rebuilt_before_it_loads(fake_b
     assert loads == [(lone, b"rebuilt lone"), (flat, b"rebuilt flat")]  # only what the build installed
 
 
+def test_a_server_core_loads_built_steps_before_its_first_request(fake_builds, tiny_model_dir, monkeypatch):
+    """Both packages built: a server's core loads them before it takes requests (loading holds
+    the GIL for seconds; started by the first step, it stalled the first chats' streams). One
+    missing: nothing happens until the first step starts its build, as before."""
+    from engine.engine_core import EngineCore
+
+    fake_builds.folder.mkdir()
+    lone, flat = plant(fake_builds.folder, tiny_model_dir, b"built", digest_of=b"built")
+    loaded = []
+
+    def load(path, *args, **kwargs):
+        loaded.append(Path(path).name)
+        return lambda *inputs: None
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", load)
+    core = EngineCore(tiny_model_dir, dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, compile_decode=True)
+    assert core.compiled.all_built() and not core.compiled.started
+    core.load_compiled_steps_if_built()
+    assert loaded == [lone.name, flat.name] and core.compiled.ready and core.compiled.flat_ready
+    assert not core.compiled_pending() and fake_builds.starts() == []
+    flat.unlink()
+    core = EngineCore(tiny_model_dir, dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, compile_decode=True)
+    core.load_compiled_steps_if_built()
+    assert not core.compiled.all_built() and not core.compiled.started and loaded == [lone.name, flat.name]
+
+
 def _group_writable(folder: Path) -> None:
     folder.mkdir()
     folder.chmod(0o775)

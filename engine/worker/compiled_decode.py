@@ -331,6 +331,15 @@ class CompiledDecode:
             self._thread.start()
         return self
 
+    def all_built(self) -> bool:
+        """Every step of `kinds` has a package here whose build recorded its digest: loading is
+        all that is left (seconds), no build (minutes)."""
+        try:
+            paths = [package_path(self.model, self.dtype, kind) for kind in self.kinds]
+        except Exception:  # noqa: BLE001 - no compiler for the ISA probe: the background path says so
+            return False
+        return all(path.exists() and digest_problem(path) is None for path in paths)
+
     def wait(self, timeout: float | None = None) -> bool:
         """Start if not started, then block until every step of `kinds` is ready (True) or one
         failed or `timeout` passed (False)."""
