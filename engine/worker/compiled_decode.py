@@ -49,12 +49,12 @@ from pathlib import Path
 
 import torch
 
-from engine.worker.parent_watch import end_with_parent
-from engine.worker.flat_batch import FlatSequence, flat_batch
 from engine.worker.cache_folders import packages_folder
+from engine.worker.flat_batch import FlatSequence, flat_batch
 from engine.worker.model_loader import load_checkpoint, resolve_model
-from engine.worker.package_trust import digest_path, digest_problem, folder_problem, install
 from engine.worker.models.llama import LlamaModel
+from engine.worker.package_trust import digest_path, digest_problem, folder_problem, install
+from engine.worker.parent_watch import end_with_parent
 
 log = logging.getLogger(__name__)
 
