@@ -68,7 +68,8 @@ def turn_behind_a_blocker(client, url: str, attempts: int = 3):
         first = next(m for m in turn.messages() if m.get("msg") in ("process_generating", "process_completed"))
         assert first["msg"] == "process_generating"
         wait_for(lambda: client.stats().num_waiting == 1 or client.stats().total_prompt_tokens > prompts_before,
-                 "the turn to reach the engine", interval=0.005)
+                 lambda: f"the turn to reach the engine; it holds {client.stats()} (loop running: "
+                         f"{not client.closed}); the turn's first view: {str(first)[-1500:]}", interval=0.005)
         if client.stats().num_waiting == 1:
             return blocker, user, turn
         turn.leave()  # the blocker ran out first and the turn's prompt was computed
