@@ -97,7 +97,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="steps per side per round")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--flat-package", default=None,
-                        help="time this flat package instead of the engine's own (a variant of models/flat_step.py)")
+                        help="also time this flat package beside the engine's own, as \"other\" (a variant of "
+                             "models/flat_step.py, or an older build; one built without weights gets the engine's)")
     args = parser.parse_args()
 
     import torch
@@ -109,8 +110,17 @@ def main() -> None:
     runner, compiled = core.runner, core.compiled
     if compiled is None or not compiled.wait():
         raise SystemExit(f"no compiled steps: {compiled.error if compiled else 'compile_decode is off here'}")
+    other = None
     if args.flat_package:
-        compiled.install("flat", torch._inductor.aoti_load_package(args.flat_package))
+        from engine.worker.compiled_decode import CompiledDecode
+        from engine.worker.models.flat_step import FlatStep
+
+        package = torch._inductor.aoti_load_package(args.flat_package)
+        constants = FlatStep(core.model).constants()
+        if set(package.get_constant_fqns()) == set(constants):  # built without weights: the engine's
+            package.load_constants(constants, check_full_update=True, user_managed=True)
+        other = CompiledDecode(args.model, core.model.dtype, core.model, ("flat",))
+        other.install("flat", package)
     torch.manual_seed(args.seed)
     runner.kv_cache.normal_()
     rng = random.Random(args.seed)
@@ -121,6 +131,8 @@ def main() -> None:
     def sides(sequences):
         paths = {"eager": lambda: eager(runner, sequences),
                  "flat": lambda: compiled.run_flat(sequences, runner.kv_cache, runner.block_size)[0]}
+        if other is not None:
+            paths["other"] = lambda: other.run_flat(sequences, runner.kv_cache, runner.block_size)[0]
         if runner.uses_row_attention([len(s.tokens) for s in sequences]):
             paths["eager-native"] = lambda: eager(runner, sequences, native=True)
         return paths
@@ -152,13 +164,15 @@ def main() -> None:
                          "max_abs_diff": diffs})
     print(f"{cpu_model()}, {args.dtype}, {args.rounds} rounds of {args.repeat} steps a side, medians")
     print(f"{'decodes':>7} {'chunks (past, new)':<32} {'rows':>5} {'eager ms':>9} {'native ms':>10} {'flat ms':>8} "
-          f"{'native/eager':>12} {'flat/eager':>10} {'engine takes':>13}")
+          f"{'native/eager':>12} {'flat/eager':>10} {'engine takes':>13}"
+          + (f" {'other ms':>8} {'other/flat':>10}" if other is not None else ""))
     for row in rows:
         ms, ratio = row["ms"], row["vs_eager"]
         native = f"{ms['eager-native']:.1f}" if "eager-native" in ms else "-"
         native_ratio = f"{ratio['eager-native']:.3f}" if "eager-native" in ratio else "-"
         print(f"{row['decodes']:>7} {str(row['chunks']):<32} {row['rows']:>5} {ms['eager']:>9.1f} {native:>10} "
-              f"{ms['flat']:>8.1f} {native_ratio:>12} {ratio['flat']:>10.3f} {row['engine_takes']:>13}")
+              f"{ms['flat']:>8.1f} {native_ratio:>12} {ratio['flat']:>10.3f} {row['engine_takes']:>13}"
+              + (f" {ms['other']:>8.1f} {ms['other'] / ms['flat']:>10.3f}" if "other" in ms else ""))
     print(json.dumps({"cpu": cpu_model(), "dtype": args.dtype, "model": core.model_name, "rounds": args.rounds,
                       "steps": rows}))
 

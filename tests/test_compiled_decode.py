@@ -628,22 +628,75 @@ def test_a_server_core_loads_built_steps_before_its_first_request(fake_builds, t
 
     fake_builds.folder.mkdir()
     lone, flat = plant(fake_builds.folder, tiny_model_dir, b"built", digest_of=b"built")
-    loaded = []
-
-    def load(path, *args, **kwargs):
-        loaded.append(Path(path).name)
-        return lambda *inputs: None
-
-    monkeypatch.setattr(torch._inductor, "aoti_load_package", load)
+    loaded = fake_loads(monkeypatch)
     core = EngineCore(tiny_model_dir, dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, compile_decode=True)
     assert core.compiled.all_built() and not core.compiled.started
     core.load_compiled_steps_if_built()
-    assert loaded == [lone.name, flat.name] and core.compiled.ready and core.compiled.flat_ready
+    assert [p.path.name for p in loaded] == [lone.name, flat.name] and core.compiled.ready and core.compiled.flat_ready
     assert not core.compiled_pending() and fake_builds.starts() == []
     flat.unlink()
     core = EngineCore(tiny_model_dir, dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, compile_decode=True)
     core.load_compiled_steps_if_built()
-    assert not core.compiled.all_built() and not core.compiled.started and loaded == [lone.name, flat.name]
+    assert not core.compiled.all_built() and not core.compiled.started
+    assert [p.path.name for p in loaded] == [lone.name, flat.name]
+
+
+class FakePackage:
+    """What a stand-in `aoti_load_package` returns: runs nothing, keeps the constants it is handed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.constants, self.options = path, None, None
+
+    def __call__(self, *inputs):
+        return None
+
+    def load_constants(self, constants: dict, **options) -> None:
+        self.constants, self.options = constants, options
+
+
+def fake_loads(monkeypatch) -> list[FakePackage]:
+    loaded = []
+
+    def load(path, *args, **kwargs):
+        loaded.append(FakePackage(Path(path)))
+        return loaded[-1]
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", load)
+    return loaded
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    pointer = torch.ops.mkldnn.data_ptr if a.is_mkldnn else torch.Tensor.data_ptr
+    return a.is_mkldnn == b.is_mkldnn and a.shape == b.shape and pointer(a) == pointer(b)
+
+
+def test_the_flat_package_multiplies_by_the_engines_own_weights(fake_builds, tiny_model_dir, monkeypatch):
+    """A flat package holds no weights: loaded, it is handed every weight the engine's eager path
+    multiplies by (a matmul's packed copy where there is one), the tensors themselves, to keep
+    (user-managed), not copies. The lone package keeps its own, laid out for one row."""
+    from engine.engine_core import EngineCore
+
+    fake_builds.folder.mkdir()
+    plant(fake_builds.folder, tiny_model_dir, b"built", digest_of=b"built")
+    loaded = fake_loads(monkeypatch)
+    core = EngineCore(tiny_model_dir, dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, compile_decode=True)
+    core.load_compiled_steps_if_built()
+    lone, flat = loaded
+    assert lone.constants is None
+    assert flat.options == {"check_full_update": True, "user_managed": True}
+    model = core.model
+    engine_weights = {"embed": model.embed, "norm": model.norm.weight, "lm_head": model.lm_head.batch_weight}
+    for i, layer in enumerate(model.layers):
+        engine_weights.update({f"layers.{i}.input_norm": layer.input_norm.weight,
+                               f"layers.{i}.post_norm": layer.post_norm.weight,
+                               **{f"layers.{i}.{name}": getattr(layer, name).batch_weight
+                                  for name in ("qkv", "o_proj", "gate_up", "down")}})
+        if layer.qkv.bias is not None:
+            engine_weights[f"layers.{i}.qkv_bias"] = layer.qkv.bias
+    assert set(flat.constants) == set(engine_weights)
+    assert all(same_memory(flat.constants[name], weight) for name, weight in engine_weights.items())
+    if torch.backends.mkldnn.is_available():  # fp32: every matmul's weight is oneDNN's packed copy
+        assert model.layers[0].qkv.batch_weight.is_mkldnn
 
 
 def _group_writable(folder: Path) -> None:

@@ -10,7 +10,6 @@ import torch
 from engine import LLM, SamplingParams
 from engine.worker.compiled_decode import CompiledDecode
 from engine.worker.flat_batch import FlatSequence, flat_batch
-from engine.worker.model_loader import load_checkpoint
 from engine.worker.models.flat_step import FlatStep
 from hf_reference import hf_greedy
 
@@ -24,7 +23,7 @@ def flat_engine(model_dir: str, **options) -> tuple[LLM, list[tuple[int, int, in
     llm = LLM(model_dir, dtype="float32", num_gpu_blocks=96, num_cpu_blocks=16, compile_decode=False, **options)
     core = llm.engine.core
     compiled = CompiledDecode(model_dir, torch.float32, core.model, ("flat",))
-    compiled.install("flat", FlatStep(load_checkpoint(model_dir, torch.float32), torch.float32).eval())
+    compiled.install("flat", FlatStep(core.model).eval())
     core.runner.compiled = compiled
     shapes = []
     run_flat = compiled.run_flat

@@ -52,6 +52,7 @@ import torch
 from engine.worker.cache_folders import packages_folder
 from engine.worker.flat_batch import FlatSequence, flat_batch
 from engine.worker.model_loader import load_checkpoint, resolve_model
+from engine.worker.models.flat_step import FlatStep
 from engine.worker.models.llama import LlamaModel
 from engine.worker.package_trust import digest_path, digest_problem, folder_problem, install
 from engine.worker.parent_watch import end_with_parent
@@ -73,7 +74,7 @@ _LAYERS = tuple(f"engine/worker/models/layers/{name}.py"
 _SOURCES = {"lone": ("engine/worker/compiled_decode.py", "engine/worker/models/decode_step.py",
                      "engine/worker/models/weights.py", "engine/worker/models/layers/matvec.py", *_LAYERS),
             "flat": ("engine/worker/compiled_decode.py", "engine/worker/models/flat_step.py",
-                     "engine/worker/models/decode_step.py", "engine/worker/models/weights.py", *_LAYERS)}
+                     "engine/worker/models/weights.py", "engine/worker/models/layers/linear.py", *_LAYERS)}
 _PREFIX = {"lone": "decode", "flat": "flat-step"}
 
 
@@ -139,18 +140,20 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
     checkpoint = load_checkpoint(model, dtype)
     program = _export_flat(checkpoint, dtype) if kind == "flat" else _export_lone(checkpoint, dtype)
     del checkpoint
-    # Frozen weights are constants the compiler folds into the graph: the flat step's matmuls
-    # take them packed for oneDNN; a lone row's are loops over blocks laid out for them (`MatVec` in
-    # engine/worker/models/layers/matvec.py). Reassociation and fused multiply-adds let the C++
-    # compiler split a loop's running sum over several registers (infinities and NaNs keep
-    # their meaning). In the lone step, an input read by two loops (the q and k/v projections'
-    # normalized input, the rotated query) is computed once into a buffer, not in each of them
-    # (`realize_reads_threshold`): a normalized input recomputed for every block of weights
-    # made the bf16 step ~1.1x slower.
-    configs = {"freezing": True, "cpp.enable_unsafe_math_opt_flag": True,
-               "cpp.enable_floating_point_contract_flag": "fast", "cpp.weight_prepack": kind != "lone"}
+    # Reassociation and fused multiply-adds let the C++ compiler split a loop's running sum over
+    # several registers (infinities and NaNs keep their meaning).
+    configs = {"cpp.enable_unsafe_math_opt_flag": True, "cpp.enable_floating_point_contract_flag": "fast"}
     if kind == "lone":
-        configs["realize_reads_threshold"] = 1
+        # A lone row's weights are frozen constants the compiler folds into the graph, in loops over
+        # blocks laid out for them (`MatVec` in engine/worker/models/layers/matvec.py). An input
+        # read by two loops (the q and k/v projections' normalized input, the rotated query) is
+        # computed once into a buffer, not in each of them (`realize_reads_threshold`): a
+        # normalized input recomputed for every block of weights made the bf16 step ~1.1x slower.
+        configs.update({"freezing": True, "cpp.weight_prepack": False, "realize_reads_threshold": 1})
+    else:
+        # The flat step multiplies by the engine's own weights (FlatStep.constants), handed over
+        # when the package is loaded: nothing is folded, and the package holds no weights.
+        configs.update({"freezing": False, "aot_inductor.package_constants_in_so": False})
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_path(out, os.getpid())
     with torch.no_grad():
@@ -184,9 +187,7 @@ def _export_lone(checkpoint, dtype: torch.dtype):
 def _export_flat(checkpoint, dtype: torch.dtype):
     from torch.export import Dim
 
-    from engine.worker.models.flat_step import FlatStep
-
-    step = FlatStep(checkpoint, dtype).eval()
+    step = FlatStep(LlamaModel(checkpoint, dtype, torch.device("cpu"))).eval()
     layers, kv_heads, dim, bs = len(step.layers), step.shape.num_kv_heads, step.shape.head_dim, BATCH_BLOCK_SIZE
     # any sizes, each its own: every one is dynamic
     decodes, prompt_tokens, chunks, width, decode_blocks, prompt_blocks, shared, sampled = 3, 7, 2, 5, 4, 6, 2, 4
@@ -374,11 +375,17 @@ class CompiledDecode:
                     problem = digest_problem(path)
                     if problem is not None:
                         raise RuntimeError(f"the package built was refused: {problem}")
-                self.install(kind, torch._inductor.aoti_load_package(str(path)))
+                self.install(kind, self._load(path, kind))
                 log.info("compiled %s decode step ready (%s)", kind, path.name)
             except Exception as error:  # the eager path goes on serving
                 self.error = f"{kind} step: {type(error).__name__}: {error}"
                 log.warning("compiled %s decode step unavailable, decoding eagerly: %s", kind, self.error)
+
+    def _load(self, path: Path, kind: str):
+        run = torch._inductor.aoti_load_package(str(path))
+        if kind == "flat":  # the engine's weights themselves, not a copy: they outlive the package
+            run.load_constants(FlatStep(self.decoder).constants(), check_full_update=True, user_managed=True)
+        return run
 
     def _build_in_subprocess(self, path: Path, kind: str) -> None:
         log.info("building the compiled %s decode step (once per machine): %s", kind, path.name)

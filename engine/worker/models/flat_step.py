@@ -23,17 +23,53 @@ that sample.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from engine.worker.models.decode_step import FrozenDecoder
 from engine.worker.models.layers.activation import silu_and_mul
 from engine.worker.models.layers.attention import attend
+from engine.worker.models.layers.linear import Linear, batch_matmul
 from engine.worker.models.layers.rms_norm import rms_norm
 from engine.worker.models.layers.rotary import rotate
+from engine.worker.models.weights import frozen
+
+if TYPE_CHECKING:
+    from engine.worker.models.llama import LlamaModel
 
 
-class FlatStep(FrozenDecoder):
+class FlatStep(torch.nn.Module):
+    """The step over the engine's own weights: each is the very tensor the engine's eager path
+    multiplies by (for a matmul, `Linear.batch_weight`), held, not copied. Its compiled package is
+    built without them and handed them when loaded (`constants`), so serving it costs no memory
+    for weights."""
+
+    def __init__(self, decoder: LlamaModel) -> None:
+        super().__init__()
+        self.shape, self.dtype = decoder.shape, decoder.dtype
+        linears = [decoder.lm_head, *(getattr(layer, name) for layer in decoder.layers
+                                      for name in ("qkv", "o_proj", "gate_up", "down"))]
+        if not all(isinstance(linear, Linear) for linear in linears):
+            raise ValueError("the flat step multiplies by plain or packed matrices, not quantized ones")
+        self.packed = linears[0].batch_weight.is_mkldnn  # oneDNN packs all of a model's matrices or none
+        if any(linear.batch_weight.is_mkldnn != self.packed for linear in linears):
+            raise ValueError("the flat step takes a model's matrices all packed for oneDNN or all plain")
+        self.embed, self.norm = frozen(decoder.embed), frozen(decoder.norm.weight)
+        self.lm_head = frozen(decoder.lm_head.batch_weight)
+        self.layers = torch.nn.ModuleList()
+        for source in decoder.layers:
+            layer = torch.nn.Module()
+            layer.input_norm, layer.post_norm = frozen(source.input_norm.weight), frozen(source.post_norm.weight)
+            layer.qkv, layer.qkv_bias = frozen(source.qkv.batch_weight), frozen(source.qkv.bias)
+            for name in ("o_proj", "gate_up", "down"):
+                setattr(layer, name, frozen(getattr(source, name).batch_weight))
+            self.layers.append(layer)
+
+    def constants(self) -> dict[str, torch.Tensor]:
+        """The weights by the names a compiled package of this step asks for them."""
+        return {name: parameter.data for name, parameter in self.named_parameters()}
+
     def forward(self, decode_tokens: torch.Tensor, prompt_tokens: torch.Tensor, decode_rotary: torch.Tensor,
                 prompt_rotary: torch.Tensor, kv_cache: torch.Tensor, shared_blocks: torch.Tensor,
                 shared_bias: torch.Tensor, decode_blocks: torch.Tensor, decode_bias: torch.Tensor,
@@ -59,7 +95,7 @@ class FlatStep(FrozenDecoder):
         Returns fp32 logits `[R, vocab]`, every row's new K/V `[D + Tp, layers, 2, kv_heads,
         head_dim]` for the caller to store, and the logits' argmax `[R]`."""
         heads, kv_heads, dim = self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim
-        group, scale, eps, dtype = self.shape.group, self.shape.scale, self.shape.eps, self.dtype
+        group, scale, eps, dtype, packed = self.shape.group, self.shape.scale, self.shape.eps, self.dtype, self.packed
         decodes, block_size = decode_tokens.shape[0], kv_cache.shape[4]
         chunks, width = chunk_rows.shape
         shared_len = shared_blocks.shape[0] * block_size
@@ -74,7 +110,7 @@ class FlatStep(FrozenDecoder):
         chunk_bias = chunk_bias[:, :, None, :].expand(chunks, width, group, width).reshape(chunks, width * group, width)
         new_kv = []
         for index, layer in enumerate(self.layers):
-            qkv = F.linear(rms_norm(hidden, layer.input_norm, eps), layer.qkv, layer.qkv_bias)
+            qkv = batch_matmul(rms_norm(hidden, layer.input_norm, eps), layer.qkv, layer.qkv_bias, packed)
             qk = rotate(qkv[:, :(heads + kv_heads) * dim].view(rows, heads + kv_heads, dim), cos, sin)
             q = (qk[:, :heads] * scale).view(rows, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, rows, group, dim]
             k, v = qk[:, heads:], qkv[:, (heads + kv_heads) * dim:].view(rows, kv_heads, dim)
@@ -118,9 +154,10 @@ class FlatStep(FrozenDecoder):
             chunked = chunked.view(kv_heads, chunks * width, group, dim)[:, prompt_rows]
 
             attn = torch.cat([decoded, chunked], 1)  # [kv_heads, rows, group, dim]
-            hidden = hidden + F.linear(attn.to(dtype).permute(1, 0, 2, 3).reshape(rows, heads * dim), layer.o_proj)
-            gate, up = F.linear(rms_norm(hidden, layer.post_norm, eps), layer.gate_up).chunk(2, -1)
-            hidden = hidden + F.linear(silu_and_mul(gate, up), layer.down)
+            attn = attn.to(dtype).permute(1, 0, 2, 3).reshape(rows, heads * dim)
+            hidden = hidden + batch_matmul(attn, layer.o_proj, None, packed)
+            gate, up = batch_matmul(rms_norm(hidden, layer.post_norm, eps), layer.gate_up, None, packed).chunk(2, -1)
+            hidden = hidden + batch_matmul(silu_and_mul(gate, up), layer.down, None, packed)
             new_kv.append(torch.stack([k, v], 1))
-        logits = F.linear(rms_norm(hidden[logits_rows], self.norm, eps), self.lm_head).float()
+        logits = batch_matmul(rms_norm(hidden[logits_rows], self.norm, eps), self.lm_head, None, packed).float()
         return logits, torch.stack(new_kv, 1), logits.argmax(-1)

@@ -64,6 +64,20 @@ class Linear:
     def numel(self) -> int:
         return self.out_features * self.in_features + (self.bias.numel() if self.bias is not None else 0)
 
+    @property
+    def batch_weight(self) -> torch.Tensor:
+        """What a batch of rows is multiplied by: the packed copy where there is one. A compiled
+        step holds this very tensor (see `batch_matmul`), so the engine keeps one copy for both."""
+        return self.packed if self.packed is not None else self.weight
+
+
+def batch_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a `Linear.batch_weight`, `packed` for oneDNN or plain; written for
+    a compiler too (`packed` is said, not read off the weight: a traced weight does not tell)."""
+    if packed:
+        return _PACKED_LINEAR(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
 
 def settle_few_row_path(linears: Sequence[object], rounds: int = 3) -> str:
     """For weights kept both plain and packed (fp32 on a CPU), time one row through every one of
