@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.worker.models.llama import layer_kv
+from engine.worker.kv_layout import layer_kv
 from engine.worker.quantized import native
 from kernels import reference
 

@@ -15,6 +15,7 @@ from gguf.quants import dequantize, quantize
 
 from engine import LLM, SamplingParams
 from engine.worker import model_loader
+from engine.worker.architectures import UnsupportedModelError
 from engine.worker.gguf_file import inspect_gguf, load_model
 
 T = GGMLQuantizationType
@@ -43,11 +44,11 @@ def write_gguf(path, arch: str, tensors, file_type: int = 0) -> str:
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path, private_cache):
     path = write_gguf(tmp_path / "phi.gguf", "phi3", [("token_embd.weight", np.zeros((8, 32), np.float32), T.F32)])
-    with pytest.raises(model_loader.UnsupportedModelError, match="'phi3'.*llama, mistral, qwen2"):
+    with pytest.raises(UnsupportedModelError, match="'phi3'.*llama, mistral, qwen2"):
         LLM(model=path)
     blob = tmp_path / "sha256-0123abcd"  # how Ollama keeps a model: no extension, found by its magic
     blob.write_bytes(open(path, "rb").read())
-    with pytest.raises(model_loader.UnsupportedModelError, match="'phi3'"):
+    with pytest.raises(UnsupportedModelError, match="'phi3'"):
         model_loader.resolve_model(str(blob))
     assert not private_cache.exists()  # refused before anything was read into the cache
 
@@ -58,9 +59,9 @@ def test_unsupported_tensor_type_is_refused_naming_the_tensor(tmp_path, private_
     raw = quantize(weights, qtype) if qtype == T.Q5_0 else np.zeros((8, 18), np.uint8)  # IQ4_NL: 18 bytes a block
     path = write_gguf(tmp_path / f"odd-{qtype.name}.gguf", "llama",
                       [("token_embd.weight", weights, T.F32), ("blk.0.attn_q.weight", raw, qtype)])
-    with pytest.raises(model_loader.UnsupportedModelError, match=f"'blk.0.attn_q.weight'.*{qtype.name}"):
+    with pytest.raises(UnsupportedModelError, match=f"'blk.0.attn_q.weight'.*{qtype.name}"):
         model_loader.resolve_model(path)
-    with pytest.raises(model_loader.UnsupportedModelError, match=qtype.name):
+    with pytest.raises(UnsupportedModelError, match=qtype.name):
         model_loader.load_tokenizer(path)
     assert not private_cache.exists()
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from engine.worker import gguf_formats
+from engine.worker.architectures import UnsupportedModelError, check_architecture
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 logger = logging.getLogger(__name__)
 
 
@@ -83,14 +83,9 @@ def inspect_gguf(path: str | Path, reader=None) -> GGUFInfo:
     tensor type we do not serve."""
     from gguf import LlamaFileType
 
-    from engine.worker.model_loader import UnsupportedModelError
-
     reader = reader or open_reader(path)
     architecture = field_value(reader, "general.architecture")
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{Path(path).name}: GGUF architecture {architecture!r} is not supported: PagedChat serves "
-            f"Llama-family decoders ({', '.join(SUPPORTED_ARCHITECTURES)})")
+    check_architecture(architecture, f"{Path(path).name}: GGUF architecture")
     weights = Counter()
     for tensor in reader.tensors:
         try:

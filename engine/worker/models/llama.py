@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import kernels
 from engine.worker.checkpoint import Checkpoint, as_checkpoint
+from engine.worker.kv_layout import kv_cache_shape, layer_kv
 from engine.worker.models.layers.activation import silu_and_mul
 from engine.worker.models.layers.linear import Linear, settle_few_row_path
 from engine.worker.models.layers.quantized_linear import QuantizedLinear
@@ -116,9 +117,8 @@ class LlamaModel:
         return self.shape.num_layers * 2 * block_size * self.shape.kv_size * element
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Head-major inside a block (see kernels/reference.py); `layer_kv` gives a layer's views."""
         shape = self.shape
-        return (num_blocks, shape.num_layers, 2, shape.num_kv_heads, block_size, shape.head_dim)
+        return kv_cache_shape(num_blocks, shape.num_layers, shape.num_kv_heads, block_size, shape.head_dim)
 
     def decodes_natively(self, num_tokens: int, num_seqs: int, longest: int) -> bool:
         """Whether a step of `num_tokens` tokens over `num_seqs` sequences, the longest bringing
@@ -188,10 +188,3 @@ class LlamaModel:
         if self._kv_views is None or self._kv_views[0] is not kv_cache:
             self._kv_views = (kv_cache, [layer_kv(kv_cache, i) for i in range(self.shape.num_layers)])
         return self._kv_views[1]
-
-
-def layer_kv(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's K and V caches as the kernels take them, `[num_blocks, block_size, num_kv_heads,
-    head_dim]` views of the engine's cache (`LlamaModel.kv_cache_shape`)."""
-    return kv_cache[:, layer, 0].transpose(1, 2), kv_cache[:, layer, 1].transpose(1, 2)
-

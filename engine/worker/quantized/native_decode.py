@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.worker.kv_layout import layer_kv
 from engine.worker.models.layers.quantized_linear import QuantizedLinear
 from engine.worker.quantized import native
 from engine.worker.quantized.matrix import LANES, LEVELS, Scratch
@@ -104,8 +105,6 @@ class NativeDecode:
     def _layer_array(self, kv_cache: torch.Tensor) -> ctypes.Array:
         """The layers as C structs, with their views of `kv_cache` (made once per cache)."""
         if self._layers is None or self._layers[0] is not kv_cache:
-            from engine.worker.models.llama import layer_kv
-
             array = (_Layer * len(self.model.layers))()
             for i, (entry, layer) in enumerate(zip(array, self.model.layers)):
                 k_cache, v_cache = layer_kv(kv_cache, i)

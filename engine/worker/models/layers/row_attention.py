@@ -46,7 +46,7 @@ class RowAttention:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  contexts: torch.Tensor, scale: float) -> torch.Tensor:
         """q `[rows, heads, head_dim]` (heads contiguous; rows may be strided); one layer's caches
-        as `layer_kv` gives them; tables `[rows, max_blocks]` and contexts `[rows]`, int32: each
+        as `kv_layout.layer_kv` gives them; tables `[rows, max_blocks]` and contexts `[rows]`, int32: each
         row's blocks and keys (its own included, already stored). Returns `[rows, heads, head_dim]`."""
         rows, heads, dim = q.shape
         out = torch.empty(rows, heads, dim)
