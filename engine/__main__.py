@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
             messages + [{"role": "user", "content": args.prompt}])
         stream_reply(engine, "cli", prompt, params)
         return
-    print(f"Chatting with {engine.model_name} on {engine.device} ({engine.config.num_device_blocks} KV blocks). "
+    print(f"Chatting with {engine.model_name} on {engine.device} ({engine.config.scheduler.num_device_blocks} KV blocks). "
           "Empty line or Ctrl-D to quit.", file=sys.stderr)
     for turn in range(1_000_000):
         try:

@@ -16,7 +16,7 @@ import torch
 import kernels
 from engine.core.block_hash import DEFAULT_HASH_ALGO
 from engine.core.block_map import BlockMap, BlockMapState
-from engine.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_STEP_MS, SchedulerConfig
+from engine.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_STEP_MS, EngineConfig, SchedulerConfig
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
@@ -80,13 +80,13 @@ class EngineCore:
             max_model_len = min(model_limit, device_blocks * block_size)
         elif max_model_len > model_limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds what the model supports ({model_limit})")
-        self.config = SchedulerConfig(
+        scheduling = SchedulerConfig(
             num_device_blocks=device_blocks, num_host_blocks=host_blocks, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             prefix_caching_hash_algo=prefix_caching_hash_algo, preemption_mode=preemption_mode, watermark=watermark,
             max_step_ms=max_step_ms)
-        self.scheduler = Scheduler(self.config)
+        self.scheduler = Scheduler(scheduling)
         if cuda_graphs is None:  # on a GPU by default; elsewhere only asked for (the tests do)
             cuda_graphs = self.device.type == "cuda"
         graph_batch = min(max_num_seqs, BUCKETS[-1]) if cuda_graphs else 0
@@ -98,12 +98,22 @@ class EngineCore:
             compile_decode = compiled_decode.enabled_by_default()
         unsupported = compiled_decode.supported(self.device, self.dtype) or (
             "its graphs hold dense weights; the quantized ones run eagerly" if self.model.quantized else None)
-        if compile_decode and unsupported:
-            log.info("no compiled decode step: %s", unsupported)
-        elif compile_decode:
+        if not compile_decode:
+            compiled_state = "off"
+        elif unsupported:
+            compiled_state = f"off: {unsupported}"
+        else:
             self.compiled = compiled_decode.CompiledDecode(model, self.dtype, self.model)
-        self.runner = ModelRunner(self.model, device_blocks, host_blocks, block_size, max_model_len, graph_batch,
-                                  self.compiled)
+            compiled_state = f"on ({', '.join(self.compiled.kinds)}): loaded, or built once per machine, in the background"
+        self.runner = ModelRunner(self.model, device_blocks, host_blocks, block_size, scheduling.max_model_len,
+                                  graph_batch, self.compiled)
+        self.config = EngineConfig(
+            model=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            quantization=self.quantization, quantization_reason=why, weights=self.weights_info["description"],
+            num_parameters=self.model.num_parameters, kernels=kernels.backend(self.runner.kv_cache),
+            kv_block_bytes=block_bytes, scheduler=scheduling, step_paths=self.runner.step_paths(),
+            compiled_steps=compiled_state)
+        log.info("engine: %s", self.config.describe())
         self.eos_token_id = eos_token_id(model)
         self._emitted: dict[str, int] = {}  # request id -> output tokens already handed back
         # $PAGEDCHAT_STEP_LOG: a JSON line per step (its shape, how it ran, how long it took), for
@@ -244,7 +254,8 @@ class EngineCore:
 
     def info(self) -> EngineInfo:
         cache = self.runner.kv_cache
-        return EngineInfo(model=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-                          block_size=self.config.block_size, num_device_blocks=self.config.num_device_blocks,
-                          num_host_blocks=self.config.num_host_blocks, kernels=kernels.backend(cache),
-                          max_model_len=self.config.max_model_len, weights=self.weights_info["label"])
+        config, scheduling = self.config, self.config.scheduler
+        return EngineInfo(model=config.model, device=config.device, dtype=config.dtype, block_size=scheduling.block_size,
+                          num_device_blocks=scheduling.num_device_blocks, num_host_blocks=scheduling.num_host_blocks,
+                          kernels=kernels.backend(cache), max_model_len=scheduling.max_model_len,
+                          weights=self.weights_info["label"], config=config)

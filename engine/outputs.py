@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.config import EngineConfig
+
 
 @dataclass(frozen=True, slots=True)
 class Usage:
@@ -104,6 +106,7 @@ class EngineInfo:
     kernels: str     # "triton" or "torch"
     max_model_len: int = 0  # longest prompt + output a request may have
     weights: str = ""        # a GGUF file's type and how it runs ("Q4_K_M, quantized (native)"); "" if dense
+    config: EngineConfig | None = None  # all the engine decided at start; None where it does not say (a peer server)
 
     @property
     def label(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 from collections.abc import Callable
 
@@ -22,8 +23,9 @@ from fastapi import FastAPI
 from engine.api import add_openai_api
 from engine.api.access import is_loopback
 from engine.core.block_hash import DEFAULT_HASH_ALGO, HASH_ALGOS
-from engine.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_STEP_MS, QUANTIZATIONS
+from engine.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_STEP_MS
 from engine.frontend.request_streams import StreamingClient
+from engine.worker.model_loader import QUANTIZATIONS
 
 
 def build_server(client: StreamingClient, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
@@ -49,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="requests that may wait at once; beyond it 503 with Retry-After")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print what the engine decides from these options and this machine (JSON), and exit")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     if not args.api_key and not is_loopback(args.host):
@@ -134,6 +138,12 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     client = start_engine(args, args.max_waiting, max_num_seqs=args.max_num_seqs)
+    if args.print_config:
+        try:
+            print(json.dumps(client.info().config.as_dict(), indent=2))
+        finally:
+            client.close()
+        return
     app = build_server(client, args.served_model_name, args.api_key)
     freeze_startup_heap()
     try:

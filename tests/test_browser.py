@@ -457,7 +457,7 @@ def meter_numbers(page) -> dict[str, int]:
 def test_the_meter_shows_the_engines_numbers_and_warns_near_the_limit(served, profiles):
     client, store, _ = served
     page = profiles().open()
-    limit = client.engine.config.max_model_len
+    limit = client.engine.config.scheduler.max_model_len
     expect(page.locator(".pc-meter")).to_contain_text(f"0 of {limit:,} tokens")
     expect(page.locator(".pc-meter .pc-model")).to_have_text(client.engine.info().model)
     set_params(page, max_tokens=8)

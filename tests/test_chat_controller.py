@@ -292,7 +292,7 @@ async def test_no_version_switch_while_a_reply_is_written(chat, store, slow_engi
 def test_the_context_meter_is_the_engines_numbers(chat, store, client):
     user = new_user()
     use, fit = chat.context(user, None)
-    assert (use.tokens, use.limit, fit) == (0, client.engine.config.max_model_len, False) and use.model
+    assert (use.tokens, use.limit, fit) == (0, client.engine.config.scheduler.max_model_len, False) and use.model
     conversation_id = turn(chat, user, "Count my tokens")[-1].conversation_id
     turn(chat, user, "And these too", conversation_id)
     reply = store.messages(user, conversation_id)[-1]
@@ -335,7 +335,7 @@ def test_a_full_chat_leaves_out_its_oldest_turns_only_when_asked(chat, store, cl
     views = turn(chat, user, "Third: " + long_text, conversation_id)
     reply = store.messages(user, conversation_id)[-1]
     assert reply["role"] == "assistant" and reply["left_out"] in (2, 4)
-    assert reply["prompt_tokens"] <= client.engine.config.max_model_len
+    assert reply["prompt_tokens"] <= client.engine.config.scheduler.max_model_len
     assert f"without the {reply['left_out']} oldest messages" in views[-1].messages[-1]["content"]
     use, _ = chat.context(user, conversation_id)
     assert use.tokens == reply["prompt_tokens"] + reply["completion_tokens"]

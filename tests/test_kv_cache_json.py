@@ -31,6 +31,7 @@ def check_round_trip(engine: LLMEngine) -> BlockMap:
                                                                                  info.max_model_len)
     assert (back_info.num_device_blocks, back_info.num_host_blocks) == (info.num_device_blocks, info.num_host_blocks)
     assert back_info.device == "10.0.0.2:8000" and not back_info.on_cpu
+    assert back_info.config == info.config and info.config.scheduler.block_size == info.block_size
     assert kv_cache_json(back_info, stats, back) == body  # encoding the rebuilt map gives the same JSON
     return back
 
@@ -137,6 +138,8 @@ def test_a_good_body_reads():
     (changed("device.owners", KeyError), r"device\.owners: expected a list"),
     (changed("device.num_blocks", "3"), r"device\.num_blocks: expected an integer"),
     (changed("device.num_blocks", True), r"device\.num_blocks: expected an integer"),
+    (changed("config", {"model": "m"}), r"kv_cache\.config: not an engine configuration"),
+    (changed("config", {"scheduler": {"num_device_blocks": 0}}), r"kv_cache\.config: not an engine configuration"),
     (changed("host", None), r"kv_cache\.host: expected an object"),
     (changed("block_size", 0), r"kv_cache\.block_size: expected an integer of at least 1"),
     (changed("requests", [1]), r"kv_cache\.requests: expected a list of request id strings"),

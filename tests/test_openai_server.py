@@ -215,6 +215,8 @@ def test_the_kv_cache_endpoint_describes_every_block(url, engine_client):
     assert len(body["device"]["states"]) == info.num_device_blocks and set(body["device"]["states"]) <= set("fcu")
     assert sum(run for _, run in body["device"]["owners"]) == info.num_device_blocks
     assert len(body["host"]["states"]) == info.num_host_blocks
+    # ... and the engine's whole configuration, as `python -m engine.serve --print-config` prints it
+    assert body["config"] == info.config.as_dict() and body["config"]["scheduler"]["num_device_blocks"] == 128
 
 
 # ---- errors, in OpenAI's shape ---------------------------------------------------------------------

@@ -5,6 +5,7 @@ value)."""
 from __future__ import annotations
 
 from engine.core.block_map import BlockInfo, BlockMap, BlockState
+from engine.core.config import EngineConfig, SchedulerConfig
 from engine.core.stats import SchedulerStats
 from engine.outputs import EngineInfo
 
@@ -25,6 +26,7 @@ def kv_cache_json(info: EngineInfo, stats: SchedulerStats, block_map: BlockMap) 
                  **_pool(block_map.host, requests)},
         "requests": list(requests),
         "running": stats.num_running, "waiting": stats.num_waiting, "swapped": stats.num_swapped,
+        "config": info.config.as_dict() if info.config is not None else None,
     }
 
 
@@ -53,6 +55,17 @@ def _runs(values) -> list[list[int]]:
 _STATES_BY_CODE = {code: state for state, code in STATE_CODES.items()}
 
 
+def _config(data) -> EngineConfig | None:
+    """The serving engine's configuration (`EngineConfig.as_dict`), where it sends one."""
+    if data is None:
+        return None
+    try:
+        return EngineConfig(**{**data, "scheduler": SchedulerConfig(**data["scheduler"]),
+                               "step_paths": tuple(data["step_paths"])})
+    except (TypeError, KeyError, ValueError) as error:
+        raise ValueError(f"kv_cache.config: not an engine configuration ({type(error).__name__}: {error})") from None
+
+
 def block_map_from_kv_cache_json(data: dict, *, device: str = "remote") -> tuple[BlockMap, EngineInfo]:
     """The inverse of `kv_cache_json`, for drawing a remote server's pools with the panel's block
     map. The JSON carries no hashes, token counts or owners past the first: blocks come back with
@@ -74,7 +87,7 @@ def block_map_from_kv_cache_json(data: dict, *, device: str = "remote") -> tuple
     info = EngineInfo(model=str(model) if model is not None else "unknown", device=device, dtype="unknown",
                       block_size=block_size, num_device_blocks=len(pools["device"]),
                       num_host_blocks=len(pools["host"]), kernels="unknown", max_model_len=max_model_len,
-                      weights=str(data.get("weights") or ""))
+                      weights=str(data.get("weights") or ""), config=_config(data.get("config")))
     return BlockMap(block_size, pools["device"], pools["host"]), info
 
 

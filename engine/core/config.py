@@ -1,4 +1,6 @@
-"""Scheduler and cache settings, checked once at construction.
+"""The engine's settings: what it runs (EngineConfig, decided once at start) and how it schedules
+(SchedulerConfig, checked at construction). Plain data: the core, the worker, the panel and the
+HTTP API all read them, and none of them needs torch to.
 
 Two pools, one vocabulary inside the engine: the *device* pool (where attention reads K/V: the
 GPU, or main memory on a CPU-only machine) and the *host* pool (main memory that preempted
@@ -7,7 +9,7 @@ are kept only at the API edge (`LLM`, `LLMEngine`, the app's flags).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from engine.core.block_hash import DEFAULT_HASH_ALGO, HASH_ALGOS
 
@@ -20,8 +22,6 @@ DEFAULT_MAX_STEP_MS = 120.0
 # The most tokens one step computes (vLLM's max_num_batched_tokens): a prompt longer than what is
 # left of it goes on in chunks over the next steps.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# A GGUF file's quantized weights: kept quantized (native, CPU), made dense at load, or picked.
-QUANTIZATIONS = ("auto", "native", "dequantize")
 
 
 @dataclass
@@ -74,3 +74,39 @@ class SchedulerConfig:
     @property
     def watermark_blocks(self) -> int:
         return int(self.watermark * self.num_device_blocks)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine runs and how, decided once at start from its options, the model and the
+    machine (engine_core.py builds it), logged then and shown by `python -m engine.serve
+    --print-config` and in /v1/kv_cache. Fixed for the engine's life."""
+    model: str           # the name it serves: a path, a hub id, or the embedded model's name
+    device: str          # "cpu", "cuda:0"
+    dtype: str           # of activations, the KV cache and dense weights: "float32", "bfloat16", "float16"
+    quantization: str    # "dequantize" (dense weights in `dtype`) or "native" (a GGUF file's, kept quantized)
+    quantization_reason: str
+    weights: str         # what the weights are, as people read them
+    num_parameters: int
+    kernels: str         # attention: "triton" (GPU kernels) or "torch"
+    kv_block_bytes: int  # one block of every layer's K and V
+    scheduler: SchedulerConfig  # pools, lengths, batch limits, prefix caching, preemption, step target
+    # The ways a step may run here, in the order the runner tries them (engine/worker/model_runner.py):
+    # "graphs" (captured CUDA graphs of decodes), "lone" (one chat's compiled decode), "flat"
+    # (decodes and prompt chunks, compiled), "eager-native" (eager, its attention in native code),
+    # "native" (a quantized model's layers in native code), "eager".
+    step_paths: tuple[str, ...]
+    compiled_steps: str  # the compiled steps' state at start: "built", "building in the background", or why not
+
+    def as_dict(self) -> dict:
+        """JSON-ready, the scheduler's settings nested under "scheduler"."""
+        return asdict(self) | {"step_paths": list(self.step_paths)}
+
+    def describe(self) -> str:
+        """One line a log or a reader takes in at a glance."""
+        s = self.scheduler
+        return (f"{self.model} on {self.device} in {self.dtype}; weights: {self.weights} ({self.quantization_reason}); "
+                f"KV pools: {s.num_device_blocks} device + {s.num_host_blocks} host blocks of {s.block_size} tokens "
+                f"({self.kv_block_bytes} bytes each); max_model_len {s.max_model_len}, {s.max_num_seqs} sequences, "
+                f"{s.max_num_batched_tokens} tokens a step, step target {s.max_step_ms} ms; "
+                f"steps: {', '.join(self.step_paths)}; compiled steps: {self.compiled_steps}; kernels: {self.kernels}")

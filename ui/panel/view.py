@@ -106,6 +106,10 @@ def header_html(history: StatsHistory, info: EngineInfo, first_tokens: tuple[Fir
         html.escape(f"{info.label} on {info.device} ({info.dtype}, {info.kernels} kernels) · device pool "
                     f"{info.num_device_blocks} blocks × {info.block_size} tokens · host pool {info.num_host_blocks} blocks"),
     ]
+    if info.config is not None:  # a PagedChat engine's: how its steps may run
+        lines.append(html.escape(f"steps: {', '.join(info.config.step_paths)} · compiled steps "
+                                 f"{info.config.compiled_steps} · up to {info.config.scheduler.max_num_seqs} chats, "
+                                 f"{info.config.scheduler.max_num_batched_tokens} tokens a step"))
     body = "".join(f"<div>{line}</div>" for line in lines)
     if info.on_cpu:
         body += ('<div class="kv-note" data-note="cpu"><b>No GPU here:</b> the "GPU" (device) pool lives in main '
