@@ -4,6 +4,7 @@ The layers, each importing only those below it:
     engine/           the public surface: LLM, LLMEngine, EngineClient (the engine on a thread),
                       CoreProcessClient (the engine core in its own process), SamplingParams, outputs
     engine/api/       the OpenAI-compatible HTTP API and its Prometheus metrics (`python -m engine.serve`)
+    engine/runtime/   the engine core, its process, LLMEngine and the clients that stream from it
     engine/frontend/  the serving side: prompts to token ids, token ids to streamed text, callers' streams
     engine/core/      CPU-side decisions: requests, scheduler, KV-cache manager, block pool (no torch)
     engine/worker/    the tensor side: model runner, models, sampler, decode graphs, loader, memory
@@ -18,9 +19,9 @@ from engine.core.stats import SchedulerStats
 from engine.outputs import CompletionOutput, Delta, EngineInfo, FirstToken, RequestOutput, Usage, decode_rate
 
 # The model-facing API pulls in torch and transformers: imported only when asked for.
-_LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineClient": "engine.client",
-         "CoreProcessClient": "engine.core_client", "StreamingClient": "engine.frontend.request_streams",
-         "EngineBusyError": "engine.frontend.request_streams", "EngineDeadError": "engine.frontend.request_streams",
+_LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.runtime.llm_engine", "EngineClient": "engine.runtime.thread_client",
+         "CoreProcessClient": "engine.runtime.process_client", "StreamingClient": "engine.runtime.streaming_client",
+         "EngineBusyError": "engine.runtime.streaming_client", "EngineDeadError": "engine.runtime.streaming_client",
          "add_openai_api": "engine.api", "is_loopback": "engine.api.access",
          "made_here": "engine.api.access", "client_address": "engine.api.access",
          "block_map_from_kv_cache_json": "engine.api.kv_cache"}

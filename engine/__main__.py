@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from engine.core.sampling_params import SamplingParams
-from engine.llm_engine import LLMEngine
+from engine.runtime.llm_engine import LLMEngine
 
 
 def stream_reply(engine: LLMEngine, request_id: str, prompt: str, params: SamplingParams) -> str:

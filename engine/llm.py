@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from engine.core.block_map import BlockMap
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
-from engine.llm_engine import LLMEngine
+from engine.runtime.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 
 Prompt = str | Sequence[int]

@@ -4,7 +4,7 @@
     python -m engine.serve --model path/to/llama --host 0.0.0.0 --api-key "$KEY"
 
 Then any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=...)`.
-The engine core runs in a process of its own (engine/core_client.py), so the server's Python
+The engine core runs in a process of its own (engine/runtime/process_client.py), so the server's Python
 never holds up a step; `--engine-in-process` runs it on a thread of this process instead.
 On an address other than loopback the API needs a key (`--api-key` or $PAGEDCHAT_API_KEY), as
 the chat app's does: an open engine on a network is anyone's. Without one it answers only requests
@@ -24,7 +24,7 @@ from engine.api import add_openai_api
 from engine.api.access import is_loopback
 from engine.core.block_hash import DEFAULT_HASH_ALGO, HASH_ALGOS
 from engine.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_STEP_MS
-from engine.frontend.request_streams import StreamingClient
+from engine.runtime.streaming_client import StreamingClient
 from engine.worker.model_loader import QUANTIZATIONS
 
 
@@ -107,8 +107,8 @@ def begin_engine(args: argparse.Namespace, max_waiting: int, **options) -> Calla
                "max_model_len": args.max_model_len, "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
                "quantization": args.quantization, **options}
     if args.engine_in_process:
-        from engine.client import EngineClient
-        from engine.llm_engine import LLMEngine
+        from engine.runtime.thread_client import EngineClient
+        from engine.runtime.llm_engine import LLMEngine
 
         threads = options.pop("num_threads", None)
         if threads:
@@ -120,7 +120,7 @@ def begin_engine(args: argparse.Namespace, max_waiting: int, **options) -> Calla
             return EngineClient(engine, max_waiting=max_waiting)
 
         return finish
-    from engine.core_client import CoreProcessClient
+    from engine.runtime.process_client import CoreProcessClient
 
     return CoreProcessClient.starting(args.model, args.device, args.dtype, max_waiting=max_waiting, **options)
 
@@ -128,7 +128,7 @@ def begin_engine(args: argparse.Namespace, max_waiting: int, **options) -> Calla
 def freeze_startup_heap() -> None:
     """Move what start-up made (torch, the tokenizer, the app) out of the collector's reach: an
     oldest-generation collection then scans only what requests made since, where scanning the
-    whole heap held up every stream for 20-140 ms (engine/core_process.py does the same)."""
+    whole heap held up every stream for 20-140 ms (engine/runtime/core_process.py does the same)."""
     gc.collect()
     gc.freeze()
 

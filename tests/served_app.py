@@ -111,8 +111,8 @@ def serve(client, store, feed=None, load=None, host: str | None = None, api_key:
 def served_chat(model: str | None, db_path, **engine_options) -> Iterator[tuple[object, object, str]]:
     """An engine on `model` (LLMEngine's options) and a store at `db_path`, the app around them
     served: (engine client, store, URL); everything stopped afterwards."""
-    from engine.client import EngineClient
-    from engine.llm_engine import LLMEngine
+    from engine.runtime.thread_client import EngineClient
+    from engine.runtime.llm_engine import LLMEngine
     from storage import Store
 
     client = EngineClient(LLMEngine(model, **engine_options))
@@ -131,8 +131,8 @@ def served_with_load(model: str | None, db_path, num_gpu_blocks: int, num_cpu_bl
                      host: str | None = None, interval_s: float = 1.0) -> Iterator[tuple[object, object, str]]:
     """An engine on `model`, its panel feed and load generator, and the app around them served:
     (engine client, load generator, URL); everything stopped afterwards."""
-    from engine.client import EngineClient
-    from engine.llm_engine import LLMEngine
+    from engine.runtime.thread_client import EngineClient
+    from engine.runtime.llm_engine import LLMEngine
     from storage import Store
     from ui.panel.feed import PanelFeed
     from ui.panel.load_generator import LoadGenerator

@@ -359,8 +359,8 @@ def test_the_app_serves_the_openai_api_on_its_own_port_over_the_same_engine(serv
 
 def test_off_loopback_the_api_is_off_without_a_key_and_on_with_one(tiny_model_dir, tmp_path):
     from served_app import serve
-    from engine.client import EngineClient
-    from engine.llm_engine import LLMEngine
+    from engine.runtime.thread_client import EngineClient
+    from engine.runtime.llm_engine import LLMEngine
     from storage import Store
 
     client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=32))

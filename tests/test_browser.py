@@ -632,8 +632,8 @@ def test_two_browsers_never_see_each_others_chats(served, profiles):
 def test_screenshot_of_the_real_model_mid_conversation(browser, tmp_path):
     """The README's screenshot, 1280x800, with the real default model: written to a temporary
     file on every run, and to docs/screenshot.png with PAGEDCHAT_SCREENSHOT=1 (or another path)."""
-    from engine.client import EngineClient
-    from engine.llm_engine import LLMEngine
+    from engine.runtime.thread_client import EngineClient
+    from engine.runtime.llm_engine import LLMEngine
     from storage import Store
 
     target = screenshot_target("screenshot.png", tmp_path)

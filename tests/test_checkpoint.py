@@ -140,7 +140,7 @@ MODELLING = ("torch._dynamo", "triton", "transformers.models.llama.modeling_llam
 @pytest.mark.parametrize("model", ["folder", "GGUF file"])
 def test_a_core_never_imports_the_modelling_stack(tiny_model_dir, embedded_gguf, model):
     """The point of reading folders and Llama GGUF files directly: an engine core (what
-    engine/core_process.py runs) starts and decodes without transformers' modelling stack, which
+    engine/runtime/core_process.py runs) starts and decodes without transformers' modelling stack, which
     pulls in torch._dynamo, triton and torch.distributed.tensor (~160 MiB resident, ~3 s of
     CPU); on a folder, without transformers at all (a GGUF's reader is transformers' GGUF module)."""
     from engine.worker.model_loader import resolve_model
@@ -150,7 +150,7 @@ def test_a_core_never_imports_the_modelling_stack(tiny_model_dir, embedded_gguf,
     script = f"""
 import sys
 from engine.core.sampling_params import SamplingParams
-from engine.engine_core import EngineCore
+from engine.runtime.engine_core import EngineCore
 core = EngineCore({name!r}, num_gpu_blocks=32, num_cpu_blocks=0, compile_decode=False{options})
 core.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
 tokens = []

@@ -8,9 +8,9 @@ import pytest
 from waiting import DEADLINE_S, wait_for
 
 from engine import SamplingParams
-from engine.client import EngineClient
-from engine.core_client import CoreProcessClient
-from engine.llm_engine import LLMEngine
+from engine.runtime.thread_client import EngineClient
+from engine.runtime.process_client import CoreProcessClient
+from engine.runtime.llm_engine import LLMEngine
 from engine.core.scheduler import PromptTooLongError
 
 QUESTIONS = [f"Question {i}: tell me something about the number {i * 7}." for i in range(8)]

@@ -624,7 +624,7 @@ def test_a_server_core_loads_built_steps_before_its_first_request(fake_builds, t
     """Both packages built: a server's core loads them before it takes requests (loading holds
     the GIL for seconds; started by the first step, it stalled the first chats' streams). One
     missing: nothing happens until the first step starts its build, as before."""
-    from engine.engine_core import EngineCore
+    from engine.runtime.engine_core import EngineCore
 
     fake_builds.folder.mkdir()
     lone, flat = plant(fake_builds.folder, tiny_model_dir, b"built", digest_of=b"built")
@@ -674,7 +674,7 @@ def test_the_flat_package_multiplies_by_the_engines_own_weights(fake_builds, tin
     """A flat package holds no weights: loaded, it is handed every weight the engine's eager path
     multiplies by (a matmul's packed copy where there is one), the tensors themselves, to keep
     (user-managed), not copies. The lone package keeps its own, laid out for one row."""
-    from engine.engine_core import EngineCore
+    from engine.runtime.engine_core import EngineCore
 
     fake_builds.folder.mkdir()
     plant(fake_builds.folder, tiny_model_dir, b"built", digest_of=b"built")

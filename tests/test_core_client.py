@@ -18,8 +18,8 @@ import pytest
 from waiting import wait_for
 
 from engine import LLM, SamplingParams
-from engine.core_client import CoreProcessClient, EngineStartError
-from engine.frontend.request_streams import EngineDeadError
+from engine.runtime.process_client import CoreProcessClient, EngineStartError
+from engine.runtime.streaming_client import EngineDeadError
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "Tell me about lighthouses."}]

@@ -9,8 +9,8 @@ from waiting import poll, wait_for
 
 import ui.panel.load_generator as load_generator
 
-from engine.client import EngineClient
-from engine.llm_engine import LLMEngine
+from engine.runtime.thread_client import EngineClient
+from engine.runtime.llm_engine import LLMEngine
 from engine.outputs import Delta
 from ui.panel.load_generator import LOAD_SYSTEM_PROMPT, MAX_TOKENS_LIMIT, MAX_USERS, LoadGenerator, LoadStatus
 

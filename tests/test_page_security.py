@@ -41,8 +41,8 @@ def served_page(model: str, root: Path) -> Iterator[App]:
     `Sessions`), with Gradio's and tempfile's temporary folders under `root`, so that what it
     leaves there can be counted while other tests run."""
     from ui.server import build_app, build_server
-    from engine.client import EngineClient
-    from engine.llm_engine import LLMEngine
+    from engine.runtime.thread_client import EngineClient
+    from engine.runtime.llm_engine import LLMEngine
     from ui import backends
     from ui.panel.feed import PanelFeed
     from ui.panel.load_generator import LoadGenerator

@@ -132,8 +132,8 @@ def test_screenshot_of_the_panel_under_load(browser, tiny_model_dir, tmp_path):
     PAGEDCHAT_SCREENSHOT=1 the real default model, into docs/panel.png; on every other run the
     tiny model into a temporary file (the picture's path, not its model: the real model's load
     took ~45 s here of a suite that must stay short; the test above shows the same behaviours)."""
-    from engine.client import EngineClient
-    from engine.llm_engine import LLMEngine
+    from engine.runtime.thread_client import EngineClient
+    from engine.runtime.llm_engine import LLMEngine
     from storage import Store
     from ui.panel.load_generator import LoadGenerator
     from ui.panel.feed import PanelFeed

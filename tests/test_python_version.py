@@ -1,7 +1,7 @@
 """The project runs on Python 3.11 or later, and says so wherever a minimum is declared. On 3.10,
 `asyncio.wait_for` raises `asyncio.TimeoutError`, not the builtin `TimeoutError` that the engine's
-clients catch while a reply waits for its next token (engine/client.py,
-engine/frontend/request_streams.py): every reply with a gap of over a second would be aborted."""
+clients catch while a reply waits for its next token (engine/runtime/thread_client.py,
+engine/runtime/streaming_client.py): every reply with a gap of over a second would be aborted."""
 import asyncio
 import sys
 import tomllib

@@ -27,7 +27,7 @@ from engine.api.access import api_caller
 from engine.api.errors import APIError, bad_request
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from engine.frontend.delta_stream import AsyncDeltaStream
-from engine.frontend.request_streams import StreamingClient
+from engine.runtime.streaming_client import StreamingClient
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.outputs import Delta, Usage
 

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.frontend.request_streams import EngineBusyError, EngineDeadError
+from engine.runtime.streaming_client import EngineBusyError, EngineDeadError
 
 RETRY_AFTER_S = 1
 

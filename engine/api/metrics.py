@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from engine.frontend.request_streams import StreamingClient
+from engine.runtime.streaming_client import StreamingClient
 from engine.outputs import Delta
 
 # vLLM v1's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles mean the same.

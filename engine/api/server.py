@@ -6,7 +6,7 @@ serves alone and what the chat app serves next to its pages.
 
 Every error answers in OpenAI's shape (engine/api/errors.py). A body larger than MAX_BODY_BYTES
 is refused with 413 before the routes see any of it, and no text is tokenized on the event loop
-(engine/api/tokenization.py, engine/core_client.py).
+(engine/api/tokenization.py, engine/runtime/process_client.py).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from engine.api.kv_cache import kv_cache_json
 from engine.api.metrics import CONTENT_TYPE, EngineMetrics
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from engine.api.tokenization import Tokenization
-from engine.frontend.request_streams import StreamingClient
+from engine.runtime.streaming_client import StreamingClient
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any prompt the engine can hold, far below harm
 API_PATHS = ("/v1/", "/tokenize", "/detokenize")  # the body limit's; the app's pages keep Gradio's

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from engine.outputs import Delta
 
 if TYPE_CHECKING:
-    from engine.frontend.request_streams import Stream, StreamingClient
+    from engine.runtime.streaming_client import Stream, StreamingClient
 
 DONE = object()  # a request's stream ends with this, after every sample's final delta
 

@@ -45,7 +45,7 @@ class PanelFeed:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            if not self.client.closed:  # stopped, or its core restarting (engine/core_client.py)
+            if not self.client.closed:  # stopped, or its core restarting (engine/runtime/process_client.py)
                 self.sample()
 
     def sample(self) -> None:

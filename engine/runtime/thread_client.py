@@ -1,5 +1,5 @@
 """The in-process engine client: the step loop on a background thread of this process, many
-callers at once (the callers' side is engine/frontend/request_streams.py; engine/core_client.py runs the
+callers at once (the callers' side is engine/runtime/streaming_client.py; engine/runtime/process_client.py runs the
 engine in a process of its own instead, behind the same interface).
 
 Only the loop thread touches the engine; callers tokenize their prompts with a copy of its
@@ -21,9 +21,9 @@ from engine.core.block_map import BlockMap
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.frontend.input_processor import CallerSideInputs
-from engine.llm_engine import LLMEngine
+from engine.runtime.llm_engine import LLMEngine
 from engine.outputs import EngineInfo
-from engine.frontend.request_streams import (LIVENESS_CHECK_S, EngineBusyError, EngineDeadError, Stream,
+from engine.runtime.streaming_client import (LIVENESS_CHECK_S, EngineBusyError, EngineDeadError, Stream,
                                     StreamingClient)
 
 log = logging.getLogger(__name__)

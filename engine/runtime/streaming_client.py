@@ -1,5 +1,5 @@
 """What every engine client shares, wherever its engine runs (a thread of this process:
-engine/client.py; a process of its own: engine/core_client.py): callers submit and read their
+engine/runtime/thread_client.py; a process of its own: engine/runtime/process_client.py): callers submit and read their
 request's deltas from a stream of its own, many at once, and the side that runs the engine routes
 each step's deltas to those streams, to the listeners (metrics) and to the record of recent times
 to first token.

@@ -1,4 +1,4 @@
-"""The engine core in a process of its own (started by engine/core_client.py), as vLLM v1 runs
+"""The engine core in a process of its own (started by engine/runtime/process_client.py), as vLLM v1 runs
 its EngineCore: a busy loop that takes requests, steps and sends each step's token outputs back,
 while the serving process tokenizes, detokenizes, checks stop strings and streams. Its threads
 and the GIL are its own: an HTTP server's per-token Python never delays a step here.
@@ -14,7 +14,7 @@ The channel is one socket (a `multiprocessing.connection.Connection`: pickled me
 
 The core ends when the frontend closes the socket (whatever way it went) or says shutdown.
 
-    python -m engine.core_process FD    # only as engine/core_client.py starts it
+    python -m engine.runtime.core_process FD    # only as engine/runtime/process_client.py starts it
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def run(connection: Connection) -> None:
     threads = options.pop("num_threads", None)
     import torch
 
-    from engine.engine_core import EngineCore
+    from engine.runtime.engine_core import EngineCore
 
     if threads:
         torch.set_num_threads(threads)

@@ -1,5 +1,5 @@
 """The engine in one object on one thread: prompts in, streamed text out. It joins the three
-parts that a served engine splits across processes (engine/core_client.py): the InputProcessor
+parts that a served engine splits across processes (engine/runtime/process_client.py): the InputProcessor
 (prompts to token ids), the EngineCore (the model, the scheduler and the KV cache) and the
 OutputProcessor (token ids to text). The offline `LLM` and the in-process EngineClient run it."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from engine.core.block_map import BlockMap, BlockMapState
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
-from engine.engine_core import EngineCore
+from engine.runtime.engine_core import EngineCore
 from engine.frontend.input_processor import InputProcessor, ProcessedPrompt
 from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import Delta, EngineInfo

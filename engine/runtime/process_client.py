@@ -1,4 +1,4 @@
-"""An engine client whose engine core runs in a process of its own (engine/core_process.py),
+"""An engine client whose engine core runs in a process of its own (engine/runtime/core_process.py),
 behind the same interface as the in-process EngineClient: submit and asubmit, abort, stats,
 info, block_map, listeners. This is how `python -m engine.serve` and the app serve.
 
@@ -39,7 +39,7 @@ from engine.core.stats import SchedulerStats
 from engine.frontend.input_processor import CallerSideInputs, ProcessedPrompt
 from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import EngineInfo
-from engine.frontend.request_streams import LIVENESS_CHECK_S, EngineBusyError, EngineDeadError, Stream, StreamingClient
+from engine.runtime.streaming_client import LIVENESS_CHECK_S, EngineBusyError, EngineDeadError, Stream, StreamingClient
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 900.0  # loading weights (the first run converts the embedded model: ~15 s)
@@ -235,7 +235,7 @@ class CoreProcessClient(StreamingClient):
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "TOKENIZERS_PARALLELISM": "false"}
-        process = subprocess.Popen([sys.executable, "-m", "engine.core_process", str(theirs.fileno())],
+        process = subprocess.Popen([sys.executable, "-m", "engine.runtime.core_process", str(theirs.fileno())],
                                    pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         connection = Connection(ours.detach())

@@ -1,7 +1,7 @@
 """The engine core: the model, the scheduler and the KV cache, stepping requests given as token
 ids and handing back token ids (TokenOutput). No text passes through it: tokenizing is the
 InputProcessor's and detokenizing the OutputProcessor's, so the core can run alone in its own
-process (engine/core_process.py) while a frontend does that work. Single-threaded."""
+process (engine/runtime/core_process.py) while a frontend does that work. Single-threaded."""
 from __future__ import annotations
 
 import gc
@@ -124,7 +124,7 @@ class EngineCore:
     @cached_property
     def tokenizer(self):
         """The model's tokenizer, loaded when first asked for: an in-process engine (LLMEngine)
-        needs it, a core process (engine/core_process.py) only the end-of-sequence id."""
+        needs it, a core process (engine/runtime/core_process.py) only the end-of-sequence id."""
         return load_tokenizer(self._model)
 
     # ---- requests -----------------------------------------------------------------------
