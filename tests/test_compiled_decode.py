@@ -52,7 +52,7 @@ def smol_slice(smol_hf, tmp_path_factory):
     graph is unrolled layer by layer: ~100 s for both here against ~430 s for 30 layers)."""
     import copy
 
-    from engine.worker.model_loader import load_tokenizer
+    from engine.worker.loading.model_loader import load_tokenizer
 
     hf = copy.deepcopy(smol_hf)
     hf.model.layers = hf.model.layers[:2]

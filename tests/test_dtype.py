@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.worker import memory, model_loader
+from engine.worker import memory
+from engine.worker.loading import embedded_model, model_files
 from engine.worker.memory import cpu_computes_bf16, resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -51,14 +52,14 @@ def test_auto_on_a_gpu_and_explicit_dtypes(monkeypatch):
 
 def test_the_embedded_model_records_its_published_dtype(tmp_path, monkeypatch, tiny_model_dir):
     """A folder converted before the config named it gets it; auto then follows it."""
-    folder = tmp_path / "models" / model_loader.DEFAULT_MODEL_NAME
+    folder = tmp_path / "models" / embedded_model.DEFAULT_MODEL_NAME
     folder.mkdir(parents=True)
     for name in ("config.json", "model.safetensors"):
         (folder / name).write_bytes((Path(tiny_model_dir) / name).read_bytes())
     assert json.loads((folder / "config.json").read_text())["dtype"] == "float32"
     monkeypatch.setenv("PAGEDCHAT_CACHE", str(tmp_path))
     monkeypatch.delenv("MODEL", raising=False)
-    assert model_loader.ensure_default_model() == folder
+    assert embedded_model.ensure_default_model() == folder
     assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
-    assert model_loader.model_dtype(str(folder)) == torch.bfloat16
-    assert model_loader.model_dtype(tiny_model_dir) == torch.float32
+    assert model_files.model_dtype(str(folder)) == torch.bfloat16
+    assert model_files.model_dtype(tiny_model_dir) == torch.float32

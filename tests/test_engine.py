@@ -2,7 +2,7 @@
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.worker.architectures import UnsupportedModelError
+from engine.worker.loading.architectures import UnsupportedModelError
 from hf_reference import check_close, hf_logprobs
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""A GGUF file by path (engine/worker/gguf_file.py and model_loader's GGUF path): unsupported
+"""A GGUF file by path (engine/worker/loading/gguf_file.py and model_loader's GGUF path): unsupported
 files are refused, naming what is wrong, before anything is cached; a tiny Llama written to GGUF
 (F32 and Q8_0 tensors, llama.cpp's query/key row order, Llama 3's rope_freqs) loads back to its
 own weights; the embedded SmolLM2 GGUF named by path caches only its config and tokenizer, takes
@@ -14,9 +14,9 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from engine import LLM, SamplingParams
-from engine.worker import model_loader
-from engine.worker.architectures import UnsupportedModelError
-from engine.worker.gguf_file import inspect_gguf, load_model
+from engine.worker.loading import gguf_folder, model_files, model_loader
+from engine.worker.loading.architectures import UnsupportedModelError
+from engine.worker.loading.gguf_file import inspect_gguf, load_model
 
 T = GGMLQuantizationType
 
@@ -49,7 +49,7 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path, private_cache):
     blob = tmp_path / "sha256-0123abcd"  # how Ollama keeps a model: no extension, found by its magic
     blob.write_bytes(open(path, "rb").read())
     with pytest.raises(UnsupportedModelError, match="'phi3'"):
-        model_loader.resolve_model(str(blob))
+        model_files.resolve_model(str(blob))
     assert not private_cache.exists()  # refused before anything was read into the cache
 
 
@@ -60,7 +60,7 @@ def test_unsupported_tensor_type_is_refused_naming_the_tensor(tmp_path, private_
     path = write_gguf(tmp_path / f"odd-{qtype.name}.gguf", "llama",
                       [("token_embd.weight", weights, T.F32), ("blk.0.attn_q.weight", raw, qtype)])
     with pytest.raises(UnsupportedModelError, match=f"'blk.0.attn_q.weight'.*{qtype.name}"):
-        model_loader.resolve_model(path)
+        model_files.resolve_model(path)
     with pytest.raises(UnsupportedModelError, match=qtype.name):
         model_loader.load_tokenizer(path)
     assert not private_cache.exists()
@@ -125,8 +125,8 @@ def test_a_llama_gguf_is_read_as_its_transformers_model(tmp_path, tiny_hf, quant
     """read_checkpoint (no transformers model built) gives the engine what load_model's model
     gives it through checkpoint.of_transformers: the same weights to the bit, the same matrices
     kept quantized, the rotary frequencies divided by rope_freqs alike."""
-    from engine.worker.checkpoint import of_transformers
-    from engine.worker.gguf_file import read_checkpoint
+    from engine.worker.loading.checkpoint import of_transformers
+    from engine.worker.loading.gguf_file import read_checkpoint
     from tests.test_checkpoint import assert_same
 
     config = tiny_hf.config
@@ -148,11 +148,11 @@ def test_a_llama_gguf_is_read_as_its_transformers_model(tmp_path, tiny_hf, quant
 
 
 def test_embedded_gguf_by_path_decodes_as_the_default(embedded_gguf, smol_llm):
-    folder = model_loader.resolve_model(embedded_gguf)  # config + tokenizer only: no weights written
-    record = model_loader.gguf_source(folder)
+    folder = model_files.resolve_model(embedded_gguf)  # config + tokenizer only: no weights written
+    record = gguf_folder.gguf_source(folder)
     assert (record["architecture"], record["file_type"], record["main_type"]) == ("llama", "Q4_1", "Q4_1")
     assert not [p for p in os.listdir(folder) if p.endswith((".safetensors", ".bin"))]
-    assert model_loader.model_dtype(embedded_gguf) == torch.bfloat16
+    assert model_files.model_dtype(embedded_gguf) == torch.bfloat16
     # dequantized, as the default's folder was made: the same weights, so the same tokens
     llm = LLM(model=embedded_gguf, dtype="float32", quantization="dequantize", num_gpu_blocks=512, num_cpu_blocks=64)
     chat = [{"role": "user", "content": "What is the capital of France?"}]

@@ -1,4 +1,4 @@
-"""engine/worker/gguf_formats.py against gguf-py's numpy dequantizers (llama.cpp's reference), on
+"""engine/worker/loading/gguf_formats.py against gguf-py's numpy dequantizers (llama.cpp's reference), on
 random blocks: random bytes everywhere but the f16 scales, which get sane values."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as reference
 
-from engine.worker import gguf_formats
+from engine.worker.loading import gguf_formats
 
 T = GGMLQuantizationType
 # Byte offsets of each quantized block's f16 fields (d, and dmin/m where the format has one).

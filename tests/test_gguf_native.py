@@ -15,9 +15,9 @@ from openai import OpenAI
 from served_app import served_chat
 from waiting import DEADLINE_S
 
-from engine.worker import model_loader
-from engine.worker.gguf_file import load_model
-from engine.worker.model_loader import resolve_quantization
+from engine.worker.loading import quantization_choice
+from engine.worker.loading.gguf_file import load_model
+from engine.worker.loading.quantization_choice import resolve_quantization
 from engine.worker.models.llama import LlamaModel
 from engine.worker.models.layers.quantized_linear import QuantizedLinear
 from engine.worker.quantized.matrix import QuantizedMatrix
@@ -68,7 +68,7 @@ def test_the_quantization_option_is_checked(tiny_model_dir, embedded_gguf, monke
         resolve_quantization("native", embedded_gguf, gpu)
     # the embedded 135M is 0.5 GB dense: dense is faster there; a file 1 GiB or more dense is kept quantized
     assert resolve_quantization("auto", embedded_gguf, cpu)[0] == "dequantize"
-    monkeypatch.setattr(model_loader, "NATIVE_FROM_DENSE_BYTES", 256 << 20)
+    monkeypatch.setattr(quantization_choice, "NATIVE_FROM_DENSE_BYTES", 256 << 20)
     assert resolve_quantization("auto", embedded_gguf, cpu)[0] == "native"
     assert resolve_quantization("auto", embedded_gguf, gpu)[0] == "dequantize"
     assert resolve_quantization("auto", tiny_model_dir, cpu)[0] == "dequantize"

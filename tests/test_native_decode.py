@@ -10,7 +10,7 @@ from gguf.quants import dequantize, quantize
 
 import kernels
 from engine import LLM, SamplingParams
-from engine.worker.gguf_file import load_model
+from engine.worker.loading.gguf_file import load_model
 from engine.worker.models.llama import NATIVE_QUERY_TOKENS, NATIVE_STEP_TOKENS, AttentionMetadata, LlamaModel
 from engine.worker.quantized.native_decode import NativeDecode
 from tests.test_gguf_file import T, tiny_llama_tensors, write_gguf

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as reference
 
-from engine.worker import gguf_formats
+from engine.worker.loading import gguf_formats
 from engine.worker.quantized import native
 from engine.worker.quantized.matrix import CHUNK, SPAN_VALUES, X_LIMIT, QuantizedMatrix, int32_span, matmul
 from tests.test_gguf_formats import T, random_tensor

@@ -185,7 +185,7 @@ def weight_bytes(dtype: str) -> int:
     import torch
     from transformers import AutoConfig
 
-    from engine.worker.model_loader import resolve_model
+    from engine.worker.loading.model_files import resolve_model
 
     config = AutoConfig.from_pretrained(resolve_model(None))
     hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
@@ -199,7 +199,7 @@ def weight_bytes(dtype: str) -> int:
 def gguf_workload(build: Path, model: Path, chats: int) -> Path:
     """The throughput workload in `model`'s own tokenizer (a GGUF file's or a folder's)."""
     from benchmarks.throughput import SYSTEM_PROMPT, chat_prompt, questions
-    from engine.worker.model_loader import load_tokenizer
+    from engine.worker.loading.model_loader import load_tokenizer
 
     tokenizer = load_tokenizer(str(model))
     prompts = [chat_prompt(tokenizer, SYSTEM_PROMPT, q) for q in questions(chats)]
@@ -224,7 +224,7 @@ def gguf_main(args, parser) -> None:
     import torch
 
     from benchmarks.peers.gguf_models import dense_folder, expand, model_path
-    from engine.worker.gguf_file import inspect_gguf
+    from engine.worker.loading.gguf_file import inspect_gguf
 
     systems = args.systems.split(",") if args.systems else ["engine", "llamacpp"]
     if unknown := set(systems) - {"engine", "llamacpp"}:

@@ -44,7 +44,7 @@ MODELS = {"q4_1": None, "1b-q8_0": "Q8_0", "1b-q4_k_m": "Q4_K_M"}
 
 
 def embedded_q4_1() -> Path:
-    from engine.worker.model_loader import GGUF_FILE, GGUF_PACKAGE
+    from engine.worker.loading.embedded_model import GGUF_FILE, GGUF_PACKAGE
 
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
@@ -86,7 +86,7 @@ def make_dense(build: Path) -> Path:
     import torch
 
     from benchmarks.random_llama import build_random_llama
-    from engine.worker.model_loader import load_tokenizer
+    from engine.worker.loading.model_loader import load_tokenizer
 
     folder = dense_folder(build)
     if (folder / "config.json").exists():
@@ -119,8 +119,8 @@ def check_finite(path: Path) -> None:
     """Every tensor of the file dequantizes to finite numbers (one tensor at a time)."""
     import torch
 
-    from engine.worker import gguf_formats
-    from engine.worker.gguf_file import open_reader
+    from engine.worker.loading import gguf_formats
+    from engine.worker.loading.gguf_file import open_reader
 
     for tensor in open_reader(path).tensors:
         weights = gguf_formats.dequantize(torch.from_numpy(tensor.data), tensor.tensor_type)
@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--keep-bf16", action="store_true", help="keep the 1B's bf16 GGUF")
     args = parser.parse_args()
     args.build.mkdir(parents=True, exist_ok=True)
-    from engine.worker.gguf_file import inspect_gguf
+    from engine.worker.loading.gguf_file import inspect_gguf
 
     paths = make(expand(args.names), args.build, args.threads, args.keep_bf16)
     for path in paths:

@@ -102,7 +102,7 @@ class Server:
 def auto_dtype() -> str:
     """What `python -m engine.serve --dtype auto` runs the default model in on this machine."""
     code = ("import torch; from engine.worker.memory import resolve_dtype; "
-            "from engine.worker.model_loader import model_dtype; "
+            "from engine.worker.loading.model_files import model_dtype; "
             "print(str(resolve_dtype('auto', torch.device('cpu'), model_dtype(None))).removeprefix('torch.'))")
     done = subprocess.run([PYTHON, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:

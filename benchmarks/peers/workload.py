@@ -19,7 +19,8 @@ from benchmarks.throughput import NUM_CHATS, SYSTEM_PROMPT, chat_prompt, questio
 
 def write_workload(output: Path, chats: int = NUM_CHATS) -> list[list[int]]:
     """Writes the workload of `chats` chats to `output`; returns its prompts' token ids."""
-    from engine.worker.model_loader import load_tokenizer, resolve_model
+    from engine.worker.loading.model_files import resolve_model
+    from engine.worker.loading.model_loader import load_tokenizer
 
     tokenizer = load_tokenizer(None)
     prompts = [chat_prompt(tokenizer, SYSTEM_PROMPT, q) for q in questions(chats)]
@@ -32,7 +33,7 @@ def main() -> None:
     parser.add_argument("output")
     parser.add_argument("--chats", type=int, default=NUM_CHATS)
     args = parser.parse_args()
-    from engine.worker.model_loader import resolve_model
+    from engine.worker.loading.model_files import resolve_model
 
     prompts = write_workload(Path(args.output), args.chats)
     lengths = [len(p) for p in prompts]

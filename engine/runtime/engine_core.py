@@ -26,8 +26,10 @@ from engine.worker import compiled_decode
 from engine.worker.decode_graphs import BUCKETS
 from engine.worker.host_allocator import keep_freed_memory, release_freed_memory
 from engine.worker.memory import num_device_blocks, num_host_blocks, resolve_device, resolve_dtype
-from engine.worker.model_loader import (DEFAULT_MODEL_NAME, describe_weights, eos_token_id, load_checkpoint,
-                                        load_tokenizer, model_dtype, resolve_quantization)
+from engine.worker.loading.embedded_model import DEFAULT_MODEL_NAME
+from engine.worker.loading.model_files import model_dtype
+from engine.worker.loading.model_loader import eos_token_id, load_checkpoint, load_tokenizer
+from engine.worker.loading.quantization_choice import describe_weights, resolve_quantization
 from engine.worker.model_runner import ModelRunner
 from engine.worker.models.llama import LlamaModel
 

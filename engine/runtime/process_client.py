@@ -81,7 +81,7 @@ class CoreProcessClient(StreamingClient):
         self._starting = self._spawn_core()
 
     def _finish(self) -> CoreProcessClient:
-        from engine.worker.model_loader import load_tokenizer
+        from engine.worker.loading.model_loader import load_tokenizer
 
         starting, self._starting = self._starting, None
         try:

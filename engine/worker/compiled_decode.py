@@ -51,7 +51,8 @@ import torch
 
 from engine.worker.cache_folders import packages_folder
 from engine.worker.flat_batch import FlatSequence, flat_batch
-from engine.worker.model_loader import load_checkpoint, resolve_model
+from engine.worker.loading.model_files import resolve_model
+from engine.worker.loading.model_loader import load_checkpoint
 from engine.worker.models.flat_step import FlatStep
 from engine.worker.models.llama import LlamaModel
 from engine.worker.package_trust import digest_path, digest_problem, folder_problem, install

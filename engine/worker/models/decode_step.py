@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.worker.checkpoint import Checkpoint, as_checkpoint
+from engine.worker.loading.checkpoint import Checkpoint, as_checkpoint
 from engine.worker.models.layers.activation import silu_and_mul
 from engine.worker.models.layers.attention import attend
 from engine.worker.models.layers.matvec import MatVec

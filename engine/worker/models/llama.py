@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from engine.worker.checkpoint import Checkpoint, as_checkpoint
+from engine.worker.loading.checkpoint import Checkpoint, as_checkpoint
 from engine.worker.kv_layout import kv_cache_shape, layer_kv
 from engine.worker.models.layers.activation import silu_and_mul
 from engine.worker.models.layers.linear import Linear, settle_few_row_path

@@ -1,5 +1,5 @@
 """The decoder's weights as every path computes with them, taken once from its checkpoint
-(engine/worker/checkpoint.py).
+(engine/worker/loading/checkpoint.py).
 
 A projection's weight is a plain matrix, or, for a GGUF file served with its quantized weights
 (gguf_file.load_model(quantized=True)), the list of its quantized parts (q, k and v; gate and
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.worker.checkpoint import Checkpoint
+from engine.worker.loading.checkpoint import Checkpoint
 from engine.worker.quantized.matrix import QuantizedMatrix
 
 Weight = torch.Tensor | list[QuantizedMatrix]

@@ -1,6 +1,6 @@
 """A weight matrix kept in its GGUF quantized form, multiplied natively on a CPU.
 
-`QuantizedMatrix.of(groups)` lays a tensor's groups (engine/worker/gguf_formats.unpack) out as
+`QuantizedMatrix.of(groups)` lays a tensor's groups (engine/worker/loading/gguf_formats.unpack) out as
 the C loops in qmatmul.c read them (the layout is described there): quants in blocks of 8 output
 features, 4-bit formats (Q4_0, Q4_1, Q4_K) two to a byte, 5- and 6-bit ones (Q5_K, Q6_K) in 6
 bits, Q8_0 one to an int8, and the formats' own scale factors beside them. Memory per weight,
@@ -29,7 +29,7 @@ import torch
 from engine.worker.quantized import native
 
 if TYPE_CHECKING:  # the engine imports this module; the gguf package is needed only to read a file
-    from engine.worker.gguf_formats import Groups
+    from engine.worker.loading.gguf_formats import Groups
 
 LANES = 8
 CHUNK = 32

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.worker.checkpoint import Checkpoint
+from engine.worker.loading.checkpoint import Checkpoint
 
 
 class RotaryTable:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from engine.worker import gguf_formats
-from engine.worker.architectures import UnsupportedModelError, check_architecture
+from engine.worker.loading import gguf_formats
+from engine.worker.loading.architectures import UnsupportedModelError, check_architecture
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def read_checkpoint(path: str | Path, raw_config: dict, dtype: torch.dtype, quan
     """What load_model's model gives the engine (checkpoint.of_transformers of it), read without
     building that model, for a Llama file whose config (`raw_config`: its cached folder's
     config.json) checkpoint.llama_config reads; None for any other, to go through load_model."""
-    from engine.worker.checkpoint import Checkpoint, llama_config, llama_parameter_names, rotary_inv_freq
+    from engine.worker.loading.checkpoint import Checkpoint, llama_config, llama_parameter_names, rotary_inv_freq
 
     described = llama_config(raw_config)
     if described is None:
