@@ -112,7 +112,7 @@ def main() -> None:
     from engine import LLM
     from ui.panel.load_generator import LOAD_SYSTEM_PROMPT, QUESTIONS
 
-    # The eager forward is what is measured: a lone chat's steps must not bypass it (compiled_decode.py).
+    # The eager forward is what is measured: a lone chat's steps must not bypass it (engine/worker/compiled/).
     llm = LLM(args.model, dtype=args.dtype, num_gpu_blocks=1024, num_cpu_blocks=16, compile_decode=False)
     model = llm.engine.runner.model
     chats = [[{"role": "system", "content": LOAD_SYSTEM_PROMPT[:1200]},

@@ -5,7 +5,7 @@ follow-up turns past their cached history) beside many decodes. This benchmark l
 steps in the paged cache the way the load of benchmarks/serve.py makes them (four shared system
 prompts of ~150 tokens, each chat's own history after them), then times each step, round after
 round, through both paths that can take it: the eager forward (`ModelRunner._forward_eager`) and
-the compiled flat step (`CompiledDecode.run_flat`). Each side's logits are checked against the
+the compiled flat step (`CompiledSteps.run_flat`). Each side's logits are checked against the
 eager forward's first. The compiled packages are built first where this machine has none (minutes).
 
     .venv/bin/python benchmarks/mixed_step.py [--dtype float32] [--rounds 10]
@@ -112,14 +112,14 @@ def main() -> None:
         raise SystemExit(f"no compiled steps: {compiled.error if compiled else 'compile_decode is off here'}")
     other = None
     if args.flat_package:
-        from engine.worker.compiled_decode import CompiledDecode
+        from engine.worker.compiled.steps import CompiledSteps
         from engine.worker.models.flat_step import FlatStep
 
         package = torch._inductor.aoti_load_package(args.flat_package)
         constants = FlatStep(core.model).constants()
         if set(package.get_constant_fqns()) == set(constants):  # built without weights: the engine's
             package.load_constants(constants, check_full_update=True, user_managed=True)
-        other = CompiledDecode(args.model, core.model.dtype, core.model, ("flat",))
+        other = CompiledSteps(args.model, core.model.dtype, core.model, ("flat",))
         other.install("flat", package)
     torch.manual_seed(args.seed)
     runner.kv_cache.normal_()

@@ -57,7 +57,7 @@ def main() -> None:
     from engine.worker.models.layers import linear, quantized_linear, rms_norm
     from ui.panel.load_generator import LOAD_SYSTEM_PROMPT, QUESTIONS
 
-    # The eager forward is what is profiled: a lone chat's steps must not bypass it (compiled_decode.py).
+    # The eager forward is what is profiled: a lone chat's steps must not bypass it (engine/worker/compiled/).
     llm = LLM(args.model, dtype=args.dtype, num_gpu_blocks=1024, num_cpu_blocks=16, compile_decode=False,
               quantization=args.quantization)
     engine = llm.engine

@@ -40,7 +40,7 @@ def one_shot(deep_model_dir, tmp_path_factory) -> OneShot:
                                start_new_session=True)  # whatever it starts stays in its group
     try:
         out, err = process.communicate(timeout=300)
-        return OneShot(process.returncode, out, err, processes_naming("engine.worker.compiled_decode", str(folder)),
+        return OneShot(process.returncode, out, err, processes_naming("engine.worker.compiled", str(folder)),
                        group_members(process.pid), sorted(os.listdir(folder)) if folder.exists() else [])
     finally:
         for pid in group_members(process.pid):

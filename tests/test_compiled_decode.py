@@ -1,4 +1,4 @@
-"""The compiled decode steps (engine/worker/compiled_decode.py): built in the background while the
+"""The compiled steps (engine/worker/compiled/): built in the background while the
 eager path serves, then the same greedy tokens as the eager path: a lone chat's through buffer
 growth, batch-to-lone hand-overs and moved blocks, the flat step's batches with and without a shared
 prefix and its prompt chunks beside decodes;
@@ -18,14 +18,16 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.worker import compiled_decode, package_trust
-from engine.worker.compiled_decode import CAPACITY_STEP, CompiledDecode, package_path
+from engine.worker import package_trust
+from engine.worker.compiled import builds, export, steps
+from engine.worker.compiled.package_key import package_path
+from engine.worker.compiled.shapes import CAPACITY_STEP, KINDS
+from engine.worker.compiled.steps import CompiledSteps
 from hf_reference import hf_greedy
 from processes import alive, group_members, processes_naming, wait_until
 
@@ -70,7 +72,7 @@ def slice_dir(smol_slice) -> str:
     return smol_slice[0]
 
 
-_preparing: list[CompiledDecode] = []  # compiled steps this module's engines build or load in the background
+_preparing: list[CompiledSteps] = []  # compiled steps this module's engines build or load in the background
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +110,7 @@ def builds_settled() -> None:
     settle_builds()
 
 
-def count_calls(monkeypatch, compiled: CompiledDecode, method: str = "decode") -> list:
+def count_calls(monkeypatch, compiled: CompiledSteps, method: str = "decode") -> list:
     calls = []
     decode = getattr(compiled, method)
 
@@ -121,7 +123,7 @@ def count_calls(monkeypatch, compiled: CompiledDecode, method: str = "decode") -
 
 
 # ---- stand-in builds, for which packages load and how a build ends ---------------------------
-# These never compile: the interpreter that runs `python -m engine.worker.compiled_decode` is
+# These never compile: the interpreter that runs `python -m engine.worker.compiled` is
 # replaced by a stand-in that takes the same arguments and fails, writes a package the way a build
 # installs one, or hangs with a worker process of its own, as the compiler's workers do.
 FAKE_BUILD = textwrap.dedent('''
@@ -194,7 +196,7 @@ class FakeBuilds:
 
     def end_leftovers(self) -> None:
         """A test that failed may leave a hanging build behind."""
-        for kind in compiled_decode.KINDS:
+        for kind in KINDS:
             if (self.pids_dir / kind).exists():
                 pid, _, worker, _ = self.pids(kind)
                 for process in (pid, worker):
@@ -237,7 +239,7 @@ def loads(builds_settled, monkeypatch):
 
 def plant(folder: Path, model: str, content: bytes, digest_of: bytes | None = None) -> list[Path]:
     """Packages at both kinds' paths, with a digest record of `digest_of` when given."""
-    paths = [package_path(model, torch.float32, kind) for kind in compiled_decode.KINDS]
+    paths = [package_path(model, torch.float32, kind) for kind in KINDS]
     for path in paths:
         assert path.parent == folder
         path.write_bytes(content)
@@ -349,7 +351,7 @@ def test_the_build_records_the_digest_of_what_it_wrote(tiny_model_dir, tmp_path,
         Path(package_path).write_bytes(b"compiled " + str(sorted(inductor_configs)).encode())
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_and_package)
-    out = compiled_decode.build(tiny_model_dir, torch.float32, tmp_path / "decode-tiny.pt2")
+    out = export.build(tiny_model_dir, torch.float32, tmp_path / "decode-tiny.pt2")
     assert out.read_bytes().startswith(b"compiled ")
     assert (tmp_path / "decode-tiny.pt2.sha256").read_text() == sha256_record(out.read_bytes(), out.name)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-tiny.pt2", "decode-tiny.pt2.sha256"]
@@ -406,13 +408,13 @@ def test_a_build_ends_when_the_engine_process_exits(fake_kit, tiny_model_dir, tm
 
 
 def test_a_build_ends_when_the_engine_process_is_killed(fake_kit, tiny_model_dir, tmp_path, monkeypatch):
-    """The real build (`python -m engine.worker.compiled_decode`) watches the process that
+    """The real build (`python -m engine.worker.compiled`) watches the process that
     started it: killed, that process can clean nothing up, so the build ends its own group, and
     the next engine to prepare steps in the folder removes the scratch folder it left."""
     folder = fake_kit.folder
 
     def builds() -> list[int]:
-        return processes_naming("engine.worker.compiled_decode", str(folder))
+        return processes_naming("engine.worker.compiled", str(folder))
 
     driver = run_driver(tmp_path, tiny_model_dir, fake_kit.env, "-", None, stay=True)
     try:
@@ -439,7 +441,7 @@ def test_a_build_ends_when_the_engine_process_is_killed(fake_kit, tiny_model_dir
 
 
 def test_the_engine_built_each_step_with_its_digest_recorded(slice_compiled, slice_dir):
-    for kind in compiled_decode.KINDS:
+    for kind in KINDS:
         assert package_trust.digest_problem(package_path(slice_dir, torch.float32, kind)) is None
 
 
@@ -587,22 +589,22 @@ def test_a_failed_build_leaves_the_engine_eager(builds_settled, packages, tiny_m
     llm = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks=16, compile_decode=False)
     # No fp16 build exists. One kind's failure is enough here (each costs a build process's
     # imports); that the next kind is still tried after one fails, the planted-package test shows.
-    broken = CompiledDecode(tiny_model_dir, torch.float16, llm.engine.model, ("lone",)).start()
+    broken = CompiledSteps(tiny_model_dir, torch.float16, llm.engine.model, ("lone",)).start()
     assert not broken.wait(BUILD_TIMEOUT_S)
     assert "exited with 2" in broken.error and "float16" in broken.error
-    monkeypatch.setattr(compiled_decode, "BUILD_TIMEOUT_S", 0.5)  # a build that hangs is stopped
-    slow = CompiledDecode(deep_model_dir, torch.float32, llm.engine.model)
+    monkeypatch.setattr(builds, "BUILD_TIMEOUT_S", 0.5)  # a build that hangs is stopped
+    slow = CompiledSteps(deep_model_dir, torch.float32, llm.engine.model)
     assert not slow.wait(60) and "took over 0.5 s" in slow.error
     assert not package_path(deep_model_dir, torch.float32).exists()
-    assert compiled_decode.supported(torch.device("cpu"), torch.float16) is not None
-    assert compiled_decode.supported(torch.device("meta"), torch.float32) is not None
+    assert steps.supported(torch.device("cpu"), torch.float16) is not None
+    assert steps.supported(torch.device("meta"), torch.float32) is not None
 
 
 def test_a_package_planted_in_the_folder_is_never_loaded(fake_builds, loads, tiny_model_dir, caplog):
     """A package no build of ours recorded a digest for is refused, and built afresh."""
     fake_builds.folder.mkdir()
     paths = plant(fake_builds.folder, tiny_model_dir, b"planted")
-    with caplog.at_level(logging.WARNING, logger=compiled_decode.__name__):
+    with caplog.at_level(logging.WARNING, logger=steps.__name__):
         serve_eagerly(tiny_model_dir)
     assert loads == []
     assert fake_builds.starts() == ["lone", "flat"]
@@ -728,7 +730,7 @@ def test_packages_in_a_folder_others_can_write_are_neither_loaded_nor_built(fake
     """Even a package whose digest matches: whoever can write the folder can write the record."""
     make_unsafe(fake_builds.folder)
     plant(fake_builds.folder, tiny_model_dir, b"package", digest_of=b"package")
-    with caplog.at_level(logging.WARNING, logger=compiled_decode.__name__):
+    with caplog.at_level(logging.WARNING, logger=steps.__name__):
         llm = serve_eagerly(tiny_model_dir)
     assert loads == [] and fake_builds.starts() == []
     assert str(fake_builds.folder) in llm.engine.compiled.error
@@ -739,7 +741,7 @@ def test_a_background_build_yields_the_cpu_even_in_a_session_of_its_own():
     """A build runs in a session of its own; where the kernel schedules sessions as groups
     (autogroups), its nice value alone left it a whole core beside the engine: the group's nice
     value is raised too."""
-    code = ("import os; from pathlib import Path; from engine.worker.compiled_decode import lower_priority; "
+    code = ("import os; from pathlib import Path; from engine.worker.compiled.builds import lower_priority; "
             "before = os.nice(0); lower_priority(); group = Path('/proc/self/autogroup'); "
             "print(os.nice(0) - before, group.read_text().split()[-1] if group.exists() else 'none')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1],
@@ -756,10 +758,10 @@ def test_a_hung_build_is_stopped_with_its_whole_process_group(fake_builds, loads
     """On its timeout a build is ended with every process it started (the compiler's workers),
     and what it left (half a package, its scratch folder) is removed."""
     fake_builds.mode("hang")
-    monkeypatch.setattr(compiled_decode, "BUILD_TIMEOUT_S", 3)
+    monkeypatch.setattr(builds, "BUILD_TIMEOUT_S", 3)
     llm = serve_eagerly(tiny_model_dir)
     assert "took over 3 s" in llm.engine.compiled.error
-    for kind in compiled_decode.KINDS:
+    for kind in KINDS:
         pid, pgrp, worker, scratch = fake_builds.pids(kind)
         assert wait_until(lambda: not alive(worker)), f"the {kind} build's worker outlived its timeout"
         assert pgrp == pid, "the build did not run in a process group of its own"

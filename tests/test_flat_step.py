@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.worker.compiled_decode import CompiledDecode
+from engine.worker.compiled.steps import CompiledSteps
 from engine.worker.flat_batch import FlatSequence, flat_batch
 from engine.worker.models.flat_step import FlatStep
 from hf_reference import hf_greedy
@@ -22,7 +22,7 @@ def flat_engine(model_dir: str, **options) -> tuple[LLM, list[tuple[int, int, in
     shape of each flat step it runs: (decodes, prompt chunks, chunks with a cached past)."""
     llm = LLM(model_dir, dtype="float32", num_gpu_blocks=96, num_cpu_blocks=16, compile_decode=False, **options)
     core = llm.engine.core
-    compiled = CompiledDecode(model_dir, torch.float32, core.model, ("flat",))
+    compiled = CompiledSteps(model_dir, torch.float32, core.model, ("flat",))
     compiled.install("flat", FlatStep(core.model).eval())
     core.runner.compiled = compiled
     shapes = []

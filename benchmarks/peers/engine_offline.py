@@ -1,7 +1,7 @@
 """PagedChat's engine on the peers' workload file, measured as `vllm_offline.py` measures vLLM:
 start-up to first token (from process start: imports, weights, first step), then all chats at
 once, then one chat alone; greedy, EOS ignored, token ids as given. The compiled decode steps
-(engine/worker/compiled_decode.py: a lone chat's and the flat step) load in the background after
+(engine/worker/compiled/: a lone chat's and the flat step) load in the background after
 start-up, or are built there the first time on a machine (~2.5 min): the chats are timed once
 they are ready, and the time they were ready at is reported beside the start-up.
 

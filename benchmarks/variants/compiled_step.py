@@ -1,5 +1,5 @@
 """A `benchmarks/forward_ab.py` variant: the captured decode step through the compiled step
-(engine/worker/compiled_decode.py) instead of the eager forward: the lone-chat graph for one
+(engine/worker/compiled/) instead of the eager forward: the lone-chat graph for one
 chat, the flat graph for more. The one it needs is built first if this machine has no package
 for the model and dtype yet. The model is $MODEL's (the embedded default without it): name the
 same one with forward_ab.py's --model.
@@ -15,7 +15,7 @@ import os
 
 
 def VARIANTS(model, inputs) -> dict:
-    from engine.worker.compiled_decode import CompiledDecode
+    from engine.worker.compiled.steps import CompiledSteps
     from engine.worker.flat_batch import FlatSequence
 
     input_ids, positions, kv_cache, meta, _ = inputs
@@ -25,7 +25,7 @@ def VARIANTS(model, inputs) -> dict:
         raise SystemExit("the compiled steps decode one token per chat: capture a decode step")
     tables = [meta.block_table[i, :-(-n // block_size)].tolist() for i, n in enumerate(lengths)]
     kinds = ("lone",) if len(lengths) == 1 else ("flat",)  # the one step this captured forward takes
-    compiled = CompiledDecode(os.environ.get("MODEL"), model.dtype, model, kinds)
+    compiled = CompiledSteps(os.environ.get("MODEL"), model.dtype, model, kinds)
     if not compiled.wait():
         raise SystemExit(f"no compiled step: {compiled.error}")
     tokens, positions = input_ids.tolist(), positions.tolist()

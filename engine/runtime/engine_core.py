@@ -22,7 +22,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
 from engine.outputs import EngineInfo, TokenOutput
-from engine.worker import compiled_decode
+from engine.worker.compiled import steps as compiled_steps
 from engine.worker.decode_graphs import BUCKETS
 from engine.worker.host_allocator import keep_freed_memory, release_freed_memory
 from engine.worker.memory import num_device_blocks, num_host_blocks, resolve_device, resolve_dtype
@@ -97,15 +97,15 @@ class EngineCore:
         # it is ready. None: $PAGEDCHAT_COMPILE.
         self.compiled = None
         if compile_decode is None:
-            compile_decode = compiled_decode.enabled_by_default()
-        unsupported = compiled_decode.supported(self.device, self.dtype) or (
+            compile_decode = compiled_steps.enabled_by_default()
+        unsupported = compiled_steps.supported(self.device, self.dtype) or (
             "its graphs hold dense weights; the quantized ones run eagerly" if self.model.quantized else None)
         if not compile_decode:
             compiled_state = "off"
         elif unsupported:
             compiled_state = f"off: {unsupported}"
         else:
-            self.compiled = compiled_decode.CompiledDecode(model, self.dtype, self.model)
+            self.compiled = compiled_steps.CompiledSteps(model, self.dtype, self.model)
             compiled_state = f"on ({', '.join(self.compiled.kinds)}): loaded, or built once per machine, in the background"
         self.runner = ModelRunner(self.model, device_blocks, host_blocks, block_size, scheduling.max_model_len,
                                   graph_batch, self.compiled)

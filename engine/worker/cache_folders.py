@@ -12,7 +12,7 @@ def cache_dir() -> Path:
 
 
 def packages_folder() -> Path:
-    """The compiled steps' packages (engine/worker/compiled_decode.py)."""
+    """The compiled steps' packages (engine/worker/compiled/)."""
     return Path(os.environ.get("PAGEDCHAT_COMPILED_DIR") or cache_dir() / "compiled")
 
 

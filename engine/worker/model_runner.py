@@ -11,7 +11,8 @@ import torch
 
 import kernels
 from engine.core.scheduler_output import SchedulerOutput
-from engine.worker.compiled_decode import BATCH_BLOCK_SIZE, MAX_BATCH, MAX_CONTEXT, CompiledDecode
+from engine.worker.compiled.shapes import BATCH_BLOCK_SIZE, MAX_BATCH, MAX_CONTEXT
+from engine.worker.compiled.steps import CompiledSteps
 from engine.worker.decode_graphs import DecodeGraphs
 from engine.worker.flat_batch import FlatSequence
 from engine.worker.models.layers import row_attention
@@ -28,7 +29,7 @@ ROWS_OUTRUN_FLAT = 12  # decodes in a step from which the native row attention b
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_device_blocks: int, num_host_blocks: int, block_size: int,
                  max_model_len: int | None = None, decode_graph_batch: int = 0,
-                 compiled: CompiledDecode | None = None) -> None:
+                 compiled: CompiledSteps | None = None) -> None:
         """`decode_graph_batch` > 0: decode batches up to that size run through DecodeGraphs
         (captured CUDA graphs on a GPU; the same padded path, eagerly, elsewhere). `compiled`: a
         lone sequence's decode steps, and batches of decodes, run through it once it is ready."""

@@ -5,7 +5,7 @@ single chat on a CPU that is ~30 small ops a layer around four weight matmuls, a
 the arithmetic, take a third of the step. This module is the same decoder, assembled from the same
 layers (models/layers/), for the one case that dominates what a lone user waits for, a decode step
 of one sequence, written so AOTInductor can compile it into one graph (see
-engine/worker/compiled_decode.py). What differs is how it reads K/V and lays out weights: the
+engine/worker/compiled/). What differs is how it reads K/V and lays out weights: the
 sequence's K/V comes in one contiguous buffer for all layers instead of through block tables, the
 new token's K/V goes out as an output instead of being stored in place (a graph that mutates a
 large input copies it), the context length is a tensor so that one compiled graph serves every
@@ -51,7 +51,7 @@ class DecodeStep(FrozenDecoder):
     """Every weight matmul is a `MatVec`. The q and the k/v projections are two of them, as are
     the gate and the up projections and the two halves of the output head: two consumers of the
     same normalized input make the compiler (with `realize_reads_threshold=1`, see
-    engine/worker/compiled_decode.py) compute it once into a buffer rather than again for every
+    engine/worker/compiled/) compute it once into a buffer rather than again for every
     block of weights, and two equal halves fuse into one loop that streams both."""
 
     def __init__(self, source: Checkpoint | torch.nn.Module, dtype: torch.dtype) -> None:

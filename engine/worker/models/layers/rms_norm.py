@@ -3,7 +3,7 @@ in fp32 and rounded to the model's dtype once, after the weight (transformers ro
 after the weight).
 
 In fp32 that is torch's `rms_norm`. A 16-bit row is spelled two ways, for who runs it:
-- a compiled graph (engine/worker/compiled_decode.py): the expression itself, which the compiler
+- a compiled graph (engine/worker/compiled/): the expression itself, which the compiler
   fuses into one loop over the row.
 - eager torch (`RMSNorm`): written as the expression, it is ~8 small ops (cast, square, mean, add,
   rsqrt, multiply, cast, multiply), 10 µs for one row on a 2-core EPYC, where the ops themselves
