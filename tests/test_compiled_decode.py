@@ -613,6 +613,19 @@ def test_a_package_planted_in_the_folder_is_never_loaded(fake_builds, loads, tin
     assert paths[0].name in refusals[0] and paths[1].name in refusals[1]
 
 
+def test_packages_of_a_kind_no_longer_built_are_removed(fake_builds, loads, tiny_model_dir):
+    """A package of a kind no engine builds any more (an older engine's batch-of-decodes step) is
+    removed, its digest with it, when an engine prepares its own; the current kinds' stay."""
+    fake_builds.folder.mkdir()
+    current = plant(fake_builds.folder, tiny_model_dir, b"built", digest_of=b"built")
+    retired = fake_builds.folder / "batch-decode-tiny-llama-float32-0123456789abcdef0123.pt2"
+    retired.write_bytes(b"an older engine's")
+    package_trust.digest_path(retired).write_text(sha256_record(b"an older engine's", retired.name))
+    serve_eagerly(tiny_model_dir)  # the stand-in loader refuses the current ones: eager it stays
+    assert not retired.exists() and not package_trust.digest_path(retired).exists()
+    assert all(path.exists() and package_trust.digest_path(path).exists() for path in current)
+
+
 def test_a_package_whose_digest_does_not_match_is_rebuilt_before_it_loads(fake_builds, loads, tiny_model_dir):
     fake_builds.folder.mkdir()
     fake_builds.mode("rebuild")
