@@ -11,6 +11,16 @@ from engine.core.sampling_params import SamplingParams
 _arrivals = itertools.count()
 
 
+def sample_id(request_id: str, index: int) -> str:
+    """The core's id of a request's sample: the request itself for the first, a forked child
+    (`id#index`) for each other one (n > 1)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+def is_sample_of(sample: str, request_id: str) -> bool:
+    return sample == request_id or sample.startswith(f"{request_id}#")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -55,7 +55,7 @@ from engine.core.block_map import BlockMap, BlockMapState, PoolMirror
 from engine.core.block_pool import NoFreeBlocksError
 from engine.core.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import FinishReason, Request, RequestStatus
+from engine.core.request import FinishReason, Request, RequestStatus, sample_id
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.core.stats import SchedulerStats, snapshot_stats
 from engine.core.step_cost import StepCostModel, StepShape, keys_read
@@ -419,7 +419,7 @@ class Scheduler:
 
     def _fork(self, parent: Request, index: int) -> Request:
         parent.forked = True
-        child = Request(f"{parent.request_id}#{index}", parent.prompt_token_ids, parent.sampling_params,
+        child = Request(sample_id(parent.request_id, index), parent.prompt_token_ids, parent.sampling_params,
                         parent.eos_token_id, parent_id=parent.request_id, sample_index=index,
                         cache_salt=parent.cache_salt, num_shared_prefix_tokens=parent.num_shared_prefix_tokens)
         child.arrival, child.arrival_time = parent.arrival, parent.arrival_time

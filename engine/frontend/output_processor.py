@@ -7,14 +7,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from engine.core.request import sample_id
 from engine.core.sampling_params import SamplingParams
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.outputs import Delta, TokenOutput, Usage
-
-
-def sample_id(request_id: str, index: int) -> str:
-    """The core's id of a request's sample: the request itself, or its forked child."""
-    return request_id if index == 0 else f"{request_id}#{index}"
 
 
 @dataclass

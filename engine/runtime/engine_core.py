@@ -17,7 +17,7 @@ import kernels
 from engine.core.block_hash import DEFAULT_HASH_ALGO
 from engine.core.block_map import BlockMap, BlockMapState
 from engine.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_STEP_MS, EngineConfig, SchedulerConfig
-from engine.core.request import FinishReason, Request
+from engine.core.request import FinishReason, Request, is_sample_of, sample_id
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
@@ -143,7 +143,7 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request and all its samples, in any state; its blocks return at once."""
-        for rid in [rid for rid in self._emitted if rid == request_id or rid.startswith(request_id + "#")]:
+        for rid in [rid for rid in self._emitted if is_sample_of(rid, request_id)]:
             del self._emitted[rid]
         self.scheduler.abort_request(request_id)
         self._idle_if_done()
@@ -182,7 +182,7 @@ class EngineCore:
             logprobs = self.runner.logprobs.get(request.request_id)
             outputs.append(self._output(request, logprobs[0] if logprobs else None))
             for index in range(1, item.num_samples):  # samples forked this step
-                child_id = f"{request.request_id}#{index}"
+                child_id = sample_id(request.request_id, index)
                 child = self.scheduler.requests.get(child_id) or done.get(child_id)
                 if child is not None:
                     outputs.append(self._output(child, logprobs[index] if logprobs else None))
