@@ -42,7 +42,7 @@ SLOWEST_FIRST = ("test_compiled_decode",    # 235
                  "test_client",             # 26
                  "test_triton_kernels",     # 26
                  "test_crash_durability",   # 25
-                 "test_decode_graphs",      # 22
+                 "test_cuda_graphs",      # 22
                  "test_trust",              # 21 (mostly waiting: better beside another module than last)
                  "test_openai_server",      # 21
                  "test_panel_operator",     # 19

@@ -23,7 +23,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
 from engine.outputs import EngineInfo, TokenOutput
 from engine.worker.compiled import steps as compiled_steps
-from engine.worker.decode_graphs import BUCKETS
+from engine.worker.cuda_graphs import BUCKETS
 from engine.worker.host_allocator import keep_freed_memory, release_freed_memory
 from engine.worker.memory import num_device_blocks, num_host_blocks, resolve_device, resolve_dtype
 from engine.worker.loading.embedded_model import DEFAULT_MODEL_NAME

@@ -13,7 +13,7 @@ import kernels
 from engine.core.scheduler_output import SchedulerOutput
 from engine.worker.compiled.shapes import BATCH_BLOCK_SIZE, MAX_BATCH, MAX_CONTEXT
 from engine.worker.compiled.steps import CompiledSteps
-from engine.worker.decode_graphs import DecodeGraphs
+from engine.worker.cuda_graphs import CudaGraphs
 from engine.worker.flat_batch import FlatSequence
 from engine.worker.models.layers import row_attention
 from engine.worker.models.layers.row_attention import row_inputs
@@ -30,7 +30,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, num_device_blocks: int, num_host_blocks: int, block_size: int,
                  max_model_len: int | None = None, decode_graph_batch: int = 0,
                  compiled: CompiledSteps | None = None) -> None:
-        """`decode_graph_batch` > 0: decode batches up to that size run through DecodeGraphs
+        """`decode_graph_batch` > 0: decode batches up to that size run through CudaGraphs
         (captured CUDA graphs on a GPU; the same padded path, eagerly, elsewhere). `compiled`: a
         lone sequence's decode steps, and batches of decodes, run through it once it is ready."""
         self.model = model
@@ -45,7 +45,7 @@ class ModelRunner:
         model.rotary.ensure(max_model_len)
         self.graphs = None
         if decode_graph_batch > 0:
-            self.graphs = DecodeGraphs(model, self.kv_cache, decode_graph_batch, -(-max_model_len // block_size))
+            self.graphs = CudaGraphs(model, self.kv_cache, decode_graph_batch, -(-max_model_len // block_size))
         pin = self.device.type == "cuda"
         self.host_cache = torch.zeros(model.kv_cache_shape(max(num_host_blocks, 0), block_size),
                                       dtype=model.dtype, pin_memory=pin)

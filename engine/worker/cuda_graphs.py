@@ -32,7 +32,7 @@ def buckets_up_to(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-class DecodeGraphs:
+class CudaGraphs:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, max_batch: int, max_blocks_per_seq: int,
                  capture: bool = True) -> None:
         if max_batch < 1 or max_blocks_per_seq < 1:

@@ -1,11 +1,11 @@
-"""Decode steps through DecodeGraphs: padded to a bucket, run from static buffers (and replayed
+"""Decode steps through CudaGraphs: padded to a bucket, run from static buffers (and replayed
 from CUDA graphs on a GPU). On a CPU the same padded path runs eagerly, which is what must give
 exactly the outputs of the ordinary path."""
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.worker.decode_graphs import BUCKETS, DecodeGraphs, buckets_up_to
+from engine.worker.cuda_graphs import BUCKETS, CudaGraphs, buckets_up_to
 
 # Every engine here names its host pool: the default (1 GiB of swap space, 131k of the tiny model's
 # blocks) costs ~0.6 s of CPU to allocate, per engine.
@@ -22,8 +22,8 @@ def test_buckets():
 
 def count_graph_runs(monkeypatch) -> list[int]:
     sizes: list[int] = []
-    run = DecodeGraphs.run
-    monkeypatch.setattr(DecodeGraphs, "run", lambda self, ids, *a: sizes.append(len(ids)) or run(self, ids, *a))
+    run = CudaGraphs.run
+    monkeypatch.setattr(CudaGraphs, "run", lambda self, ids, *a: sizes.append(len(ids)) or run(self, ids, *a))
     return sizes
 
 
@@ -72,7 +72,7 @@ def test_under_preemption_and_beyond_the_largest_bucket(tiny_model_dir, tokenize
     want = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
     sizes = count_graph_runs(monkeypatch)
     llm = LLM(tiny_model_dir, num_gpu_blocks=24, num_cpu_blocks=64, max_num_seqs=10, cuda_graphs=True)
-    llm.engine.runner.graphs = DecodeGraphs(llm.engine.model, llm.engine.runner.kv_cache, 4, 64, capture=False)
+    llm.engine.runner.graphs = CudaGraphs(llm.engine.model, llm.engine.runner.kv_cache, 4, 64, capture=False)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert sizes and max(sizes) <= 4
