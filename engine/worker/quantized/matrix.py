@@ -12,7 +12,7 @@ row, then what rounding left out), and sums each group in integers; the result d
 `x @ dequantize().T` by the activations' rounding: at most sum |q * scale| * dx / 2 per output
 with one level (dx = a chunk's max |x| / 127), 254 times less with two. One level agreed with
 the dequantized embedded SmolLM2 on 90.6% of next tokens, two on 100%
-(benchmarks/gguf_quality.py). With two levels, a batch of 8 rows or more (qmatmul.h's
+(benchmarks/gguf_quality.py). With two levels, a batch of 8 rows or more (native_abi.h's
 BATCH_ROWS) goes through qmatmul_batch.c instead: x in int16 per 32 (dx = max |x| / 32767, a
 little finer than two int8 levels), 1.15-1.4x faster at 32 rows on a Zen 3; for a K-quant there,
 per 128 (dx = max |x| / 16383), so that a span of its products sums in int32 (`int32_span`).
@@ -192,7 +192,7 @@ def matmul(x: torch.Tensor, matrices: list[QuantizedMatrix], levels: int = LEVEL
 
 class Scratch:
     """Room for `rows` rows of `in_features` activations quantized in `levels` levels, as the C
-    loops lay them out (qmatmul.h's Scratch); `struct` is what they take."""
+    loops lay them out (native_abi.h's Scratch); `struct` is what they take."""
 
     def __init__(self, levels: int, rows: int, in_features: int) -> None:
         chunks = in_features // CHUNK

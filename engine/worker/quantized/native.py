@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("qmatmul.c", "qmatmul_batch.c", "decode_attention.c", "decode_layers.c"))
-HEADER = Path(__file__).with_name("qmatmul.h")
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_abi.h", "kernels.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -39,14 +39,14 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class Part(ctypes.Structure):
-    """qmatmul.h's Part: one quantized matrix of a linear layer and its first output column."""
+    """native_abi.h's Part: one quantized matrix of a linear layer and its first output column."""
     _fields_ = [("q", _P), ("d", _P), ("dm", _P), ("sc", _P), ("mn", _P),
                 ("gs", _I), ("sg", _I), ("bits", _I), ("shift", _I), ("blocks", _I), ("column", _I),
                 ("span", _I)]
 
 
 class Scratch(ctypes.Structure):
-    """qmatmul.h's Scratch: where the loops quantize a row's activations."""
+    """native_abi.h's Scratch: where the loops quantize a row's activations."""
     _fields_ = [("xq", _P), ("dx", _P), ("xsum", _P), ("xqsum", _P)]
 
 
@@ -72,7 +72,7 @@ def _cpu_flags() -> str:
 
 def library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    identity = "\n".join([*(path.read_text() for path in (*SOURCES, HEADER)), compiler, version, " ".join(FLAGS), _cpu_flags()])
+    identity = "\n".join([*(path.read_text() for path in (*SOURCES, *HEADERS)), compiler, version, " ".join(FLAGS), _cpu_flags()])
     return native_folder() / f"qmatmul-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
 
 

@@ -29,14 +29,14 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Layer(ctypes.Structure):
-    """decode_layers.c's Layer."""
+    """native_abi.h's Layer (decode_layers.c's)."""
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("qkv_parts", _I), ("qkv_bias", _P),
                 ("o", _P), ("o_parts", _I), ("gate_up", _P), ("gate_up_parts", _I), ("down", _P),
                 ("down_parts", _I), ("k_cache", _P), ("v_cache", _P)]
 
 
 class _Step(ctypes.Structure):
-    """decode_layers.c's Step."""
+    """native_abi.h's Step (decode_layers.c's)."""
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("ffn", _I), ("levels", _I),
                 ("eps", _F), ("scale", _F), ("block_size", _I), ("block_stride", _I), ("rows", _I), ("cos_sin", _P),
                 ("slots", _P), ("block_tables", _P), ("table_stride", _I), ("contexts", _P),

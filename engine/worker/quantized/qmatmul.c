@@ -34,7 +34,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "qmatmul.h"
+#include "kernels.h"
 
 typedef struct {
     const int8_t *xq; const float *dx; const float *xsum; const int32_t *xqsum;

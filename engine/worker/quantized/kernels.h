@@ -1,24 +1,11 @@
-/* What qmatmul.c offers the other native loops (decode_layers.c). */
+/* What the C files share among themselves: vector helpers and the functions one calls in another.
+   What they share with Python is native_abi.h. */
+#ifndef PAGEDCHAT_KERNELS_H
+#define PAGEDCHAT_KERNELS_H
+
 #include <stdint.h>
 
-/* One quantized matrix of a linear layer (laid out as qmatmul.c describes): its quants' width
-   (4, 6 or 8 bits) and 6-bit shift, where its part of the output starts, `column`, and `span`:
-   how many chunks' products qmatmul_batch.c may sum in int32 with the groups' integer factors sc
-   multiplied into the weights (0: keep them apart; matrix.py works it out from the quants). */
-typedef struct {
-    const uint8_t *q; const _Float16 *d; const _Float16 *dm; const int8_t *sc; const int8_t *mn;
-    int64_t gs, sg, bits, shift, blocks, column, span;
-} Part;
-
-/* Room for a row's activations as the loops quantize them, for rows x `in` values in `levels`
-   levels: xq [levels, rows, in] int8, dx [levels, rows, in / 32], xsum [rows, in / 32],
-   xqsum [levels, rows, in / 16] int32. */
-typedef struct {
-    int8_t *xq; float *dx; float *xsum; int32_t *xqsum;
-} Scratch;
-
-#define LANES 8   /* output features a block of quants holds; a part may write this far past its columns */
-#define CHUNK 32  /* activations are quantized per this many values */
+#include "native_abi.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -72,13 +59,6 @@ static inline __m256i top_bits(__m256i packed, int t) {
 void qlinear_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
                        const Scratch *scratch, const Part *parts, int64_t num_parts, float *y, int64_t y_stride);
 
-#ifndef BATCH_ROWS
-/* From this many rows (with two levels) qmatmul_batch.c's loops take a product: their tiles
-   reuse each unpacked weight chunk across the rows, which pays from about 8 rows, while the int8
-   loops stay ahead at a few rows (benchmarks/quantized_matrix.py measures both). */
-#define BATCH_ROWS 8
-#endif
-
 /* Eight running sums, so that the compiler can keep them in one vector register (a single float
    sum is a chain of dependent adds it may not reorder). */
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -111,3 +91,5 @@ void attend_finish(int64_t rep, int64_t dim, const float *total, float *out);
    returns 0, doing nothing, where it has no loops for this CPU. */
 int qlinear_batch_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, const Scratch *scratch,
                             const Part *parts, int64_t num_parts, float *y, int64_t y_stride);
+
+#endif
