@@ -13,12 +13,12 @@ import torch
 from gguf.quants import dequantize as reference
 
 from engine.worker import gguf_formats
-from engine.worker.quantized import native
+from engine.worker.quantized import native, native_abi
 from engine.worker.quantized.matrix import CHUNK, SPAN_VALUES, X_LIMIT, QuantizedMatrix, int32_span, matmul
 from tests.test_gguf_formats import T, random_tensor
 
 OUT = 37  # not a multiple of the 8-feature blocks: the padding path too
-BATCH_ROWS = 8  # qmatmul.h's: from this many rows (two levels) the batch loops take a product
+BATCH_ROWS = native_abi.CONSTANTS["BATCH_ROWS"]  # from this many rows (two levels) the batch loops take a product
 
 
 def matrix_of(qtype, rows: int = OUT, seed: int = 0) -> tuple[QuantizedMatrix, np.ndarray]:

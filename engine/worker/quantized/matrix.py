@@ -26,16 +26,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.worker.quantized import native
+from engine.worker.quantized import native, native_abi
 
 if TYPE_CHECKING:  # the engine imports this module; the gguf package is needed only to read a file
     from engine.worker.gguf_formats import Groups
 
-LANES = 8
-CHUNK = 32
+# native_abi.h's: output features a block of quants holds; activations quantized per CHUNK values;
+# the batch loops' activations share one int16 scale per SPAN_VALUES values (where the rows divide
+# into them), rounded to at most X_LIMIT in magnitude
+LANES, CHUNK, SPAN_VALUES, X_LIMIT = (native_abi.CONSTANTS[name] for name in ("LANES", "CHUNK", "SPAN_VALUES", "X_LIMIT"))
 LEVELS = 2  # the activations' int8 levels by default (and in the native lone step): see the docstring
-SPAN_VALUES = 128  # qmatmul_batch.c's activations share one int16 scale per this many values (where the
-X_LIMIT = 16383    # rows divide into them), rounded to at most this magnitude
 
 
 def int32_span(largest_quant: int, sc: torch.Tensor | None, columns: int, chunks_per_super: int) -> int:
@@ -156,7 +156,7 @@ def parts(matrices: list[QuantizedMatrix]) -> ctypes.Array:
     """The matrices as the C loops' Part array, their outputs side by side (keep it with the
     matrices: it holds their addresses, not them)."""
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    array, column = (native.Part * len(matrices))(), 0
+    array, column = (native_abi.Part * len(matrices))(), 0
     for part, m in zip(array, matrices):
         part.q, part.d, part.dm, part.sc, part.mn = (ptr(m.quants), ptr(m.d), ptr(m.dm), ptr(m.sc), ptr(m.mn))
         part.gs, part.sg, part.bits, part.shift, part.blocks, part.column, part.span = (
@@ -199,5 +199,5 @@ class Scratch:
         self.xq = torch.empty(levels, rows, in_features, dtype=torch.int8)
         self.floats = torch.empty(levels + 1, rows, chunks)  # dx per level, then the float sums
         self.xqsum = torch.empty(levels, rows, chunks, 2, dtype=torch.int32)
-        self.struct = native.Scratch(self.xq.data_ptr(), self.floats.data_ptr(), self.floats[levels].data_ptr(),
+        self.struct = native_abi.Scratch(self.xq.data_ptr(), self.floats.data_ptr(), self.floats[levels].data_ptr(),
                                      self.xqsum.data_ptr())

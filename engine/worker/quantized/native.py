@@ -25,31 +25,19 @@ from pathlib import Path
 
 from engine.worker.cache_folders import native_folder
 from engine.worker.package_trust import digest_problem, folder_problem, install
+from engine.worker.quantized import native_abi
+from engine.worker.quantized.native_abi import Part, Scratch
 
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("qmatmul.c", "qmatmul_batch.c", "decode_attention.c", "decode_layers.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_abi.h", "kernels.h"))
+HEADERS = (native_abi.HEADER, Path(__file__).with_name("kernels.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-
-
-class Part(ctypes.Structure):
-    """native_abi.h's Part: one quantized matrix of a linear layer and its first output column."""
-    _fields_ = [("q", _P), ("d", _P), ("dm", _P), ("sc", _P), ("mn", _P),
-                ("gs", _I), ("sg", _I), ("bits", _I), ("shift", _I), ("blocks", _I), ("column", _I),
-                ("span", _I)]
-
-
-class Scratch(ctypes.Structure):
-    """native_abi.h's Scratch: where the loops quantize a row's activations."""
-    _fields_ = [("xq", _P), ("dx", _P), ("xsum", _P), ("xqsum", _P)]
-
-
 _SIGNATURES = {"qlinear": [_P, _I, _I, _I, _I, ctypes.POINTER(Scratch), ctypes.POINTER(Part), _I, _P, _I],
                "decode_layers": [_P, _P, _I, _P],
                "rms_norm_rows": [_P, _I, _I, _P, _I, ctypes.c_float, _P],
