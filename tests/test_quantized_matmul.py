@@ -2,7 +2,6 @@
 dequantized weights (gguf-py's reference) and torch's matmul."""
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import platform
 import subprocess
@@ -80,10 +79,7 @@ def build_library(folder, march: str):
     out = folder / "qmatmul.so"
     flags = [flag for flag in native.FLAGS if flag != "-march=native"] + [f"-march={march}"]
     subprocess.run([native._compiler(), *flags, "-o", str(out), *map(str, native.SOURCES), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
-    for name, argtypes in native._SIGNATURES.items():
-        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
-    return lib
+    return native.open_library(out)
 
 
 @pytest.fixture(scope="module")

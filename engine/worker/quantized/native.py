@@ -4,12 +4,14 @@ once per machine into one library and loaded with ctypes.
 
 The library is built with the system's C compiler for this CPU's instructions (`-march=native`)
 into its own cache folder (engine/worker/cache_folders.native_folder), named by a
-hash of the source, the compiler and the CPU, in about a second. It links the OpenMP runtime
+hash of the sources and headers, the compiler and the CPU, in about a second. It links the OpenMP runtime
 torch already loaded (libgomp.so.1), so its loops share torch's threads and thread count.
 Loading it runs native code in the engine's process, so the packages' rule applies
 (engine/worker/package_trust.py): only a library this user's build recorded, in a folder nobody
-else can write to, is loaded. `library()` returns None, with `problem()` saying why, where there
-is no compiler or the folder is not safe; the engine then dequantizes the weights instead.
+else can write to, is loaded; and it is called only once its report of the structures Python
+fills in matches their ctypes declarations (native_abi.py). `library()` returns None, with
+`problem()` saying why, where there is no compiler, the folder is not safe or the layouts differ;
+the engine then dequantizes the weights instead.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from engine.worker.quantized.native_abi import Part, Scratch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("qmatmul.c", "qmatmul_batch.c", "decode_attention.c", "decode_layers.c"))
+                for name in ("qmatmul.c", "qmatmul_batch.c", "decode_attention.c", "decode_layers.c", "native_abi.c"))
 HEADERS = (native_abi.HEADER, Path(__file__).with_name("kernels.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _lock = threading.Lock()
@@ -64,17 +66,36 @@ def library_path(compiler: str) -> Path:
     return native_folder() / f"qmatmul-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
 
 
-def _build(compiler: str, out: Path) -> None:
+def _build(compiler: str, out: Path, sources: tuple[Path, ...] = SOURCES, flags: tuple[str, ...] = FLAGS) -> None:
+    """`sources` compiled with `flags` into `out` (its digest recorded beside it)."""
     staging = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")
     try:
-        result = subprocess.run([compiler, *FLAGS, "-o", str(staging), *map(str, SOURCES), "-lm"],
+        result = subprocess.run([compiler, *flags, "-o", str(staging), *map(str, sources), "-lm"],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {', '.join(p.name for p in SOURCES)}: "
+            raise RuntimeError(f"{compiler} failed on {', '.join(p.name for p in sources)}: "
                                f"{result.stderr.strip()[-2000:]}")
         install(staging, out)
     finally:
         staging.unlink(missing_ok=True)
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """The library at `path` loaded, its layout of the shared structures checked against
+    native_abi.py's (RuntimeError where they differ) before its functions are declared."""
+    import torch  # noqa: F401  (its libgomp first: the library binds to the loaded one)
+
+    lib = ctypes.CDLL(str(path))
+    problem = native_abi.abi_problem(lib)
+    if problem:
+        raise RuntimeError(f"{path} disagrees with native_abi.py's declarations, not calling it: {problem}")
+    for name, argtypes in _SIGNATURES.items():
+        try:
+            function = getattr(lib, name)
+        except AttributeError:
+            raise RuntimeError(f"{path} exports no function {name}") from None
+        function.argtypes, function.restype = argtypes, None
+    return lib
 
 
 def _load() -> ctypes.CDLL:
@@ -92,13 +113,7 @@ def _load() -> ctypes.CDLL:
     problem = digest_problem(out)
     if problem:
         raise RuntimeError(f"{out}: {problem}")
-    import torch  # noqa: F401  (its libgomp first: the library binds to the loaded one)
-
-    lib = ctypes.CDLL(str(out))
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes, function.restype = argtypes, None
-    return lib
+    return open_library(out)
 
 
 def library() -> ctypes.CDLL | None:
