@@ -4,10 +4,16 @@ in ctypes alone refuses the library instead of corrupting memory."""
 from __future__ import annotations
 
 import ctypes
+import platform
 
+import numpy as np
 import pytest
+import torch
 
 from engine.worker.quantized import native, native_abi
+from engine.worker.quantized.matrix import matmul
+from tests.test_gguf_formats import T
+from tests.test_quantized_matmul import matrix_of
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +112,85 @@ def test_the_unedited_copies_pass_the_check(tmp_path):
     with pytest.raises(RuntimeError, match="exports no function qlinear") as refused:
         layout_library(tmp_path)
     assert "disagrees" not in str(refused.value)
+
+
+# The formats' f16 factors cross as their bits (native_abi.h's half_bits), so that compilers without
+# the _Float16 type (GCC before 12 on x86, some clang builds) build the same library.
+
+NO_FLOAT16 = """/* The system headers first (GCC 12's immintrin.h declares its own _Float16 intrinsics), then
+   any use of the type is an error, as on a compiler without it. */
+#include <immintrin.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#pragma GCC poison _Float16
+"""
+
+
+def march_flags(march: str, folder) -> tuple[str, ...]:
+    """native.py's flags for `-march=<march>`, every source compiled as without _Float16."""
+    (folder / "no_float16.h").write_text(NO_FLOAT16)
+    return (*(flag for flag in native.FLAGS if flag != "-march=native"), f"-march={march}",
+            "-include", str(folder / "no_float16.h"))
+
+
+def needs_x86():
+    if platform.machine() != "x86_64":
+        pytest.skip("the builds for other instruction sets are checked on x86-64")
+
+
+def test_a_use_of_float16_does_not_build_where_the_type_is_missing(tmp_path):
+    """The stand-in for a compiler without _Float16 does refuse the type (else the builds below
+    would show nothing)."""
+    needs_x86()
+    source = tmp_path / "uses_float16.c"
+    source.write_text("float first(const _Float16 *p) { return (float)*p; }\n")
+    with pytest.raises(RuntimeError, match="poisoned"):
+        native._build(native._compiler(), tmp_path / "uses_float16.so", (source,), march_flags("native", tmp_path))
+
+
+@pytest.fixture(scope="module", params=["native", "x86-64"])
+def library_without_float16(request, tmp_path_factory) -> tuple[str, ctypes.CDLL]:
+    """The whole library built without _Float16: for this CPU, and for a plain x86-64 (no AVX2, no
+    F16C: the one-lane loops, each factor converted from its bits by half_to_float)."""
+    needs_x86()
+    folder = tmp_path_factory.mktemp(f"no-float16-{request.param}")
+    out = folder / "qmatmul.so"
+    native._build(native._compiler(), out, native.SOURCES, march_flags(request.param, folder))
+    return request.param, native.open_library(out)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)  # f16 scales and offsets; Q6_K's 16-wide groups
+def test_the_library_without_float16_computes_the_same(qtype, library_without_float16, lib):
+    march, without = library_without_float16
+    matrix, _ = matrix_of(qtype)
+    for rows in (5, 20) if march == "native" else (5,):  # 20: the batch loops, which a plain x86-64 lacks
+        x = torch.randn(rows, matrix.in_features, generator=torch.Generator().manual_seed(rows))
+        ours = matmul(x, [matrix], lib=without)
+        if march == "native":  # the same code for this CPU: the same bits
+            assert torch.equal(ours, matmul(x, [matrix], lib=lib))
+        else:  # the same integer sums, the float products in another order
+            reference = x.double() @ matrix.dequantize().double().T
+            torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max()))
+            torch.testing.assert_close(ours, matmul(x, [matrix], lib=lib), rtol=1e-4, atol=1e-5 * float(ours.abs().max()))
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64"])  # F16C's conversion, then the bits' fields
+def test_half_to_float_converts_every_half_exactly(march, tmp_path):
+    needs_x86()
+    source = tmp_path / "halves.c"
+    source.write_text('#include "kernels.h"\n'
+                      "void halves_to_floats(const uint16_t *in, float *out, int64_t n) {\n"
+                      "    for (int64_t i = 0; i < n; i++) out[i] = half_to_float(in[i]);\n}\n")
+    out = tmp_path / "halves.so"
+    native._build(native._compiler(), out, (source,),
+                  (*march_flags(march, tmp_path), f"-I{native.SOURCES[0].parent}"))
+    halves = np.arange(2**16, dtype=np.uint16)
+    floats = np.empty(2**16, dtype=np.float32)
+    ctypes.CDLL(str(out)).halves_to_floats(halves.ctypes.data_as(ctypes.c_void_p),
+                                           floats.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(2**16))
+    expected = halves.view(np.float16).astype(np.float32)
+    number = ~np.isnan(expected)
+    assert np.array_equal(np.isnan(floats), ~number)
+    assert np.array_equal(floats[number].view(np.uint32), expected[number].view(np.uint32))  # -0.0 and subnormals too

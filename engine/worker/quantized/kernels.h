@@ -7,13 +7,39 @@
 
 #include "native_abi.h"
 
+#ifdef __F16C__
+#include <immintrin.h>
+#else
+#include <string.h>
+#endif
+
+/* An f16 factor's value, one at a time (the vector loops convert 8 with _mm256_cvtph_ps): F16C's
+   conversion where the CPU has it, else from the bits' fields, exactly (a normal number's exponent
+   rebiased from 15 to 127; a subnormal is its mantissa times 2^-24; infinities and NaNs keep their
+   mantissa). */
+static inline float half_to_float(half_bits h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    if (exponent == 0) {
+        const float magnitude = (float)mantissa * 0x1p-24f;
+        return sign ? -magnitude : magnitude;
+    }
+    const uint32_t bits = sign | (exponent == 0x1f ? 0x7f800000u : (exponent + 112) << 23) | mantissa << 13;
+    float value;
+    memcpy(&value, &bits, sizeof(value));
+    return value;
+#endif
+}
+
 #ifdef __AVX2__
 #include <immintrin.h>
 
 /* A scale (d, sc) or an offset (dm, mn) of lane block b's group g, per lane: the f16 factor of
    its super-block (2^sg_shift groups; `supers` of them per output row) times the int8 factor of
    the group (when there is one; `groups` per row). */
-static inline __m256 group_factor(const _Float16 *per_super, const int8_t *per_group, int64_t b, int64_t g,
+static inline __m256 group_factor(const half_bits *per_super, const int8_t *per_group, int64_t b, int64_t g,
                                   int sg_shift, int64_t supers, int64_t groups) {
     /* a shift, not a division: a 64-bit divide per group was the 4-bit loop's largest cost */
     const int64_t s = (b * supers + (g >> sg_shift)) * LANES;

@@ -10,6 +10,12 @@
 
 #include <stdint.h>
 
+/* An f16 factor of the formats (d, dm), as its IEEE half-precision bits rather than _Float16,
+   which GCC before 12 on x86 and some clang builds lack: the vector loops convert 8 at a time
+   with F16C (_mm256_cvtph_ps), which reads bits anyway, and the one-lane loops one at a time
+   (kernels.h's half_to_float), so no compiler needs the type. */
+typedef uint16_t half_bits;
+
 #define LANES 8  /* output features a block of quants holds; a part may write this far past its columns */
 #define CHUNK 32  /* activations are quantized per this many values */
 /* qmatmul_batch.c's activations share one int16 scale per SPAN_VALUES values (where a part's rows
@@ -31,7 +37,7 @@
    how many chunks' products qmatmul_batch.c may sum in int32 with the groups' integer factors sc
    multiplied into the weights (0: keep them apart; matrix.py works it out from the quants). */
 typedef struct {
-    const uint8_t *q; const _Float16 *d; const _Float16 *dm; const int8_t *sc; const int8_t *mn;
+    const uint8_t *q; const half_bits *d; const half_bits *dm; const int8_t *sc; const int8_t *mn;
     int64_t gs, sg, bits, shift, blocks, column, span;
 } Part;
 

@@ -111,10 +111,10 @@ static inline void ask_ahead(const Ahead *ahead, int64_t part, int64_t parts) {
    a vector of LANES each, at out, out + step, ...: the pointers walked, each super-block's f16
    factor converted once. (Computed a group at a time from b and g, with their index arithmetic,
    they took ~5% of a 32-row product.) */
-static inline void group_factors(const Batch *a, const _Float16 *per_super, const int8_t *per_group, int64_t b,
+static inline void group_factors(const Batch *a, const half_bits *per_super, const int8_t *per_group, int64_t b,
                                  int64_t g0, int64_t count, float *out, int64_t step) {
     const int sg_shift = __builtin_ctzll(a->p->sg);
-    const _Float16 *super = per_super + b * a->supers * LANES;
+    const half_bits *super = per_super + b * a->supers * LANES;
     const int8_t *group = per_group ? per_group + (b * a->groups + g0) * LANES : NULL;
     int64_t s = -1;
     __m256 d = _mm256_setzero_ps();
