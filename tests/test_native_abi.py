@@ -4,7 +4,13 @@ in ctypes alone refuses the library instead of corrupting memory."""
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,3 +200,35 @@ def test_half_to_float_converts_every_half_exactly(march, tmp_path):
     number = ~np.isnan(expected)
     assert np.array_equal(np.isnan(floats), ~number)
     assert np.array_equal(floats[number].view(np.uint32), expected[number].view(np.uint32))  # -0.0 and subnormals too
+
+
+def test_the_wheel_ships_the_c_sources_and_builds_from_them(tmp_path):
+    """`pip wheel` (offline, with the environment's setuptools) packs every C source and header
+    the library is built from, and an engine imported from the unpacked wheel builds and loads
+    it into a native folder of its own."""
+    project = Path(__file__).resolve().parents[1]
+    source = tmp_path / "source"  # a copy: the build writes build/ and *.egg-info beside the project
+    for name in ("pyproject.toml", "README.md"):
+        source.mkdir(exist_ok=True)
+        shutil.copy(project / name, source / name)
+    for package in ("engine", "kernels", "ui", "storage"):
+        shutil.copytree(project / package, source / package,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
+                    "--no-index", "-q", "-w", str(tmp_path / "dist")], check=True, cwd=source, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("pagedchat-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = {Path(name).name for name in archive.namelist()
+                   if name.startswith("engine/worker/quantized/") and name.endswith((".c", ".h"))}
+        archive.extractall(tmp_path / "installed")
+    assert shipped == {path.name for path in (*native.SOURCES, *native.HEADERS)}
+    script = ("from engine.worker.quantized import native\n"
+              "lib = native.library()\n"
+              "print(native.SOURCES[0].parent, native.library_path(native._compiler()).parent)\n"
+              "assert lib is not None, native.problem()\n")
+    environment = {**os.environ, "PYTHONPATH": str(tmp_path / "installed"), "PAGEDCHAT_NATIVE_DIR": str(tmp_path / "native")}
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=environment,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [str(tmp_path / "installed" / "engine" / "worker" / "quantized"), str(tmp_path / "native")]
+    assert len(list((tmp_path / "native").glob("qmatmul-*.so"))) == 1
