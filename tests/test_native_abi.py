@@ -232,3 +232,27 @@ def test_the_wheel_ships_the_c_sources_and_builds_from_them(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == [str(tmp_path / "installed" / "engine" / "worker" / "quantized"), str(tmp_path / "native")]
     assert len(list((tmp_path / "native").glob("qmatmul-*.so"))) == 1
+
+
+def test_a_new_build_removes_the_older_ones(tmp_path, monkeypatch):
+    """After building, the loader removes the folder's other finished builds and their digest
+    records, and nothing else: not another process's build in progress, not its own. Loading a
+    build that exists removes nothing."""
+    monkeypatch.setenv("PAGEDCHAT_NATIVE_DIR", str(tmp_path))
+    tmp_path.chmod(0o700)
+    old = tmp_path / "qmatmul-0123456789abcdef0123.so"
+    old.write_bytes(b"an older build")
+    (tmp_path / f"{old.name}.sha256").write_text(f"0  {old.name}\n")
+    orphan_record = tmp_path / "qmatmul-00000000000000000000.so.sha256"
+    orphan_record.write_text("0  qmatmul-00000000000000000000.so\n")
+    in_progress = [tmp_path / "qmatmul-fedcba9876543210fedc.4242.tmp.so",
+                   tmp_path / "qmatmul-fedcba9876543210fedc.so.sha256.4242.tmp", tmp_path / "notes.txt"]
+    for path in in_progress:
+        path.write_text("another process's")
+    lib = native._load()
+    assert native_abi.abi_problem(lib) is None
+    current = native.library_path(native._compiler())
+    assert sorted(tmp_path.iterdir()) == sorted([current, tmp_path / f"{current.name}.sha256", *in_progress])
+    old.write_bytes(b"an older build")
+    native._load()  # found, not built
+    assert old.exists()

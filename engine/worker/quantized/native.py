@@ -20,13 +20,14 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import threading
 from pathlib import Path
 
 from engine.worker.cache_folders import native_folder
-from engine.worker.package_trust import digest_problem, folder_problem, install
+from engine.worker.package_trust import DIGEST_SUFFIX, digest_path, digest_problem, folder_problem, install
 from engine.worker.quantized import native_abi
 from engine.worker.quantized.native_abi import Part, Scratch
 
@@ -64,6 +65,25 @@ def library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     identity = "\n".join([*(path.read_text() for path in (*SOURCES, *HEADERS)), compiler, version, " ".join(FLAGS), _cpu_flags()])
     return native_folder() / f"qmatmul-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
+
+
+# library_path's names and their digest records (not the staging files of a build in progress)
+_FINISHED_BUILD = re.compile(rf"qmatmul-[0-9a-f]{{20}}\.so({re.escape(DIGEST_SUFFIX)})?")
+
+
+def _remove_other_builds(current: Path) -> None:
+    """The finished libraries beside `current` other than it, and their digest records, removed:
+    each change of the sources, the compiler or the CPU builds a library of its own, and none is
+    loaded again once another is built. Another process's build in progress (its staging files)
+    is left alone. A process that loaded an old library keeps it mapped; checkouts of different
+    sources that share one folder rebuild in turn."""
+    keep = {current.name, digest_path(current).name}
+    for path in current.parent.iterdir():
+        if path.name not in keep and _FINISHED_BUILD.fullmatch(path.name):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as error:
+                log.warning("could not remove an old native build: %s", error)
 
 
 def _build(compiler: str, out: Path, sources: tuple[Path, ...] = SOURCES, flags: tuple[str, ...] = FLAGS) -> None:
@@ -110,6 +130,7 @@ def _load() -> ctypes.CDLL:
     if not out.exists() or digest_problem(out) is not None:
         _build(compiler, out)
         log.info("built the quantized matmul: %s", out)
+        _remove_other_builds(out)
     problem = digest_problem(out)
     if problem:
         raise RuntimeError(f"{out}: {problem}")
