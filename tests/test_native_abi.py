@@ -56,6 +56,16 @@ def test_ctypes_with_two_fields_swapped_is_refused(lib):
     assert "Part.d is at offset 8 in the library but 0 in ctypes" in problem
 
 
+def test_a_refused_library_is_no_library_and_the_problem_says_why(lib, monkeypatch):
+    fields = list(native_abi.Part._fields_)
+    fields[0], fields[1] = fields[1], fields[0]
+    monkeypatch.setitem(native_abi.STRUCTURES, "Part", structure("Part", fields))
+    monkeypatch.setattr(native, "_state", {})  # as a process that has not loaded it yet
+    assert native.library() is None
+    assert "disagrees with native_abi.py's declarations" in native.problem()
+    assert "Part.q is at offset 0 in the library but 8 in ctypes" in native.problem()
+
+
 def test_ctypes_with_a_field_missing_is_refused(lib):
     fields = [field for field in native_abi.Step._fields_ if field[0] != "eps"]
     problems = native_abi.structure_problems("Step", structure("Step", fields), native_abi.reported_layout(lib)["Step"])
