@@ -2,7 +2,6 @@
 dequantized weights (gguf-py's reference) and torch's matmul."""
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import platform
 import subprocess
@@ -13,12 +12,12 @@ import torch
 from gguf.quants import dequantize as reference
 
 from engine.worker.loading import gguf_formats
-from engine.worker.quantized import native
+from engine.worker.quantized import native, native_abi
 from engine.worker.quantized.matrix import CHUNK, SPAN_VALUES, X_LIMIT, QuantizedMatrix, int32_span, matmul
 from tests.test_gguf_formats import T, random_tensor
 
 OUT = 37  # not a multiple of the 8-feature blocks: the padding path too
-BATCH_ROWS = 8  # qmatmul.h's: from this many rows (two levels) the batch loops take a product
+BATCH_ROWS = native_abi.CONSTANTS["BATCH_ROWS"]  # from this many rows (two levels) the batch loops take a product
 
 
 def matrix_of(qtype, rows: int = OUT, seed: int = 0) -> tuple[QuantizedMatrix, np.ndarray]:
@@ -80,10 +79,7 @@ def build_library(folder, march: str):
     out = folder / "qmatmul.so"
     flags = [flag for flag in native.FLAGS if flag != "-march=native"] + [f"-march={march}"]
     subprocess.run([native._compiler(), *flags, "-o", str(out), *map(str, native.SOURCES), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
-    for name, argtypes in native._SIGNATURES.items():
-        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
-    return lib
+    return native.open_library(out)
 
 
 @pytest.fixture(scope="module")

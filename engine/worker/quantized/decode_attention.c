@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "qmatmul.h"
+#include "kernels.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>

@@ -14,43 +14,13 @@
      h += attn @ Wo.T;  x = rms_norm(h) * post_norm;  [g, u] = x @ Wgu.T;  h += (silu(g) * u) @ Wd.T
    The sums run in another order than torch's, so results agree to float32 rounding, not bits.
 
-   The attention is decode_attention.c's, which describes the cache's layout. */
+   The attention is decode_attention.c's, which describes the cache's layout. Layer and Step, which
+   Python fills in, are native_abi.h's. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "qmatmul.h"
-
-typedef struct {
-    const float *input_norm, *post_norm;          /* [hidden] */
-    const Part *qkv; int64_t qkv_parts; const float *qkv_bias;  /* bias [q + 2 kv] or NULL */
-    const Part *o; int64_t o_parts;
-    const Part *gate_up; int64_t gate_up_parts;   /* gate's ffn columns, then up's */
-    const Part *down; int64_t down_parts;
-    float *k_cache, *v_cache;                     /* this layer's K and V in block 0 */
-} Layer;
-
-typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, ffn, levels;
-    float eps, scale;
-    int64_t block_size, block_stride;
-    int64_t rows;                  /* tokens (a sequence's several are rows with the same table) */
-    const float *cos_sin;          /* [rows, 2, head_dim]: cos, then signed sin ([-sin, sin] by halves) */
-    const int64_t *slots;          /* [rows]: each token's cache slot, block * block_size + offset */
-    const int32_t *block_tables;   /* [rows, table_stride]: each sequence's blocks */
-    int64_t table_stride;
-    const int32_t *contexts;       /* [rows]: each sequence's keys, its token's included */
-    int64_t shared_blocks;         /* set by decode_layers: the leading blocks every sequence holds alike */
-    float *softmax;                /* [rows, 2 * heads]: each query head's running maximum, then its sum */
-    Scratch scratch;               /* for rows x the widest row: max(hidden, q heads' size, ffn) */
-    /* [rows, stride] each, the stride its width plus LANES floats of room for a part's padding */
-    float *x, *qkv, *attn, *delta, *gate_up;
-    int64_t x_stride, qkv_stride, attn_stride, delta_stride, gate_up_stride;
-    /* Where the output head is quantized too: the final norm's weight [hidden], the head's parts
-       and the logits [rows, logits_stride] it writes; head NULL: the caller takes h from here. */
-    const float *final_norm; const Part *head; int64_t head_parts;
-    float *logits; int64_t logits_stride;
-} Step;
+#include "kernels.h"
 
 static void rms_norm(const float *h, const float *weight, int64_t n, float eps, float *out) {
     const float inverse = 1.0f / sqrtf(dot(h, h, n) / (float)n + eps);

@@ -12,7 +12,7 @@ row, then what rounding left out), and sums each group in integers; the result d
 `x @ dequantize().T` by the activations' rounding: at most sum |q * scale| * dx / 2 per output
 with one level (dx = a chunk's max |x| / 127), 254 times less with two. One level agreed with
 the dequantized embedded SmolLM2 on 90.6% of next tokens, two on 100%
-(benchmarks/gguf_quality.py). With two levels, a batch of 8 rows or more (qmatmul.h's
+(benchmarks/gguf_quality.py). With two levels, a batch of 8 rows or more (native_abi.h's
 BATCH_ROWS) goes through qmatmul_batch.c instead: x in int16 per 32 (dx = max |x| / 32767, a
 little finer than two int8 levels), 1.15-1.4x faster at 32 rows on a Zen 3; for a K-quant there,
 per 128 (dx = max |x| / 16383), so that a span of its products sums in int32 (`int32_span`).
@@ -26,16 +26,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.worker.quantized import native
+from engine.worker.quantized import native, native_abi
 
 if TYPE_CHECKING:  # the engine imports this module; the gguf package is needed only to read a file
     from engine.worker.loading.gguf_formats import Groups
 
-LANES = 8
-CHUNK = 32
+# native_abi.h's: output features a block of quants holds; activations quantized per CHUNK values;
+# the batch loops' activations share one int16 scale per SPAN_VALUES values (where the rows divide
+# into them), rounded to at most X_LIMIT in magnitude
+LANES, CHUNK, SPAN_VALUES, X_LIMIT = (native_abi.CONSTANTS[name] for name in ("LANES", "CHUNK", "SPAN_VALUES", "X_LIMIT"))
 LEVELS = 2  # the activations' int8 levels by default (and in the native lone step): see the docstring
-SPAN_VALUES = 128  # qmatmul_batch.c's activations share one int16 scale per this many values (where the
-X_LIMIT = 16383    # rows divide into them), rounded to at most this magnitude
 
 
 def int32_span(largest_quant: int, sc: torch.Tensor | None, columns: int, chunks_per_super: int) -> int:
@@ -156,7 +156,7 @@ def parts(matrices: list[QuantizedMatrix]) -> ctypes.Array:
     """The matrices as the C loops' Part array, their outputs side by side (keep it with the
     matrices: it holds their addresses, not them)."""
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    array, column = (native.Part * len(matrices))(), 0
+    array, column = (native_abi.Part * len(matrices))(), 0
     for part, m in zip(array, matrices):
         part.q, part.d, part.dm, part.sc, part.mn = (ptr(m.quants), ptr(m.d), ptr(m.dm), ptr(m.sc), ptr(m.mn))
         part.gs, part.sg, part.bits, part.shift, part.blocks, part.column, part.span = (
@@ -183,21 +183,21 @@ def matmul(x: torch.Tensor, matrices: list[QuantizedMatrix], levels: int = LEVEL
     if lib is None:
         raise RuntimeError(f"no native quantized matmul: {native.problem()}")
     x = x.float().contiguous()
-    scratch = Scratch(levels, rows, in_features)
+    scratch = ActivationScratch(levels, rows, in_features)
     array = part_array if part_array is not None else parts(matrices)
     lib.qlinear(x.data_ptr(), rows, in_features, in_features, levels, scratch.struct, array, len(matrices),
                 out.data_ptr(), out.stride(0))
     return out[:, :total]
 
 
-class Scratch:
+class ActivationScratch:
     """Room for `rows` rows of `in_features` activations quantized in `levels` levels, as the C
-    loops lay them out (qmatmul.h's Scratch); `struct` is what they take."""
+    loops lay them out (native_abi.h's Scratch); `struct` is what they take."""
 
     def __init__(self, levels: int, rows: int, in_features: int) -> None:
         chunks = in_features // CHUNK
         self.xq = torch.empty(levels, rows, in_features, dtype=torch.int8)
         self.floats = torch.empty(levels + 1, rows, chunks)  # dx per level, then the float sums
         self.xqsum = torch.empty(levels, rows, chunks, 2, dtype=torch.int32)
-        self.struct = native.Scratch(self.xq.data_ptr(), self.floats.data_ptr(), self.floats[levels].data_ptr(),
+        self.struct = native_abi.Scratch(self.xq.data_ptr(), self.floats.data_ptr(), self.floats[levels].data_ptr(),
                                      self.xqsum.data_ptr())

@@ -4,12 +4,14 @@ once per machine into one library and loaded with ctypes.
 
 The library is built with the system's C compiler for this CPU's instructions (`-march=native`)
 into its own cache folder (engine/worker/cache_folders.native_folder), named by a
-hash of the source, the compiler and the CPU, in about a second. It links the OpenMP runtime
+hash of the sources and headers, the compiler and the CPU, in about a second. It links the OpenMP runtime
 torch already loaded (libgomp.so.1), so its loops share torch's threads and thread count.
 Loading it runs native code in the engine's process, so the packages' rule applies
 (engine/worker/package_trust.py): only a library this user's build recorded, in a folder nobody
-else can write to, is loaded. `library()` returns None, with `problem()` saying why, where there
-is no compiler or the folder is not safe; the engine then dequantizes the weights instead.
+else can write to, is loaded; and it is called only once its report of the structures Python
+fills in matches their ctypes declarations (native_abi.py). `library()` returns None, with
+`problem()` saying why, where there is no compiler, the folder is not safe or the layouts differ;
+the engine then dequantizes the weights instead.
 """
 from __future__ import annotations
 
@@ -18,38 +20,27 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import threading
 from pathlib import Path
 
 from engine.worker.cache_folders import native_folder
-from engine.worker.package_trust import digest_problem, folder_problem, install
+from engine.worker.package_trust import DIGEST_SUFFIX, digest_path, digest_problem, folder_problem, install
+from engine.worker.quantized import native_abi
+from engine.worker.quantized.native_abi import Part, Scratch
 
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("qmatmul.c", "qmatmul_batch.c", "decode_attention.c", "decode_layers.c"))
-HEADER = Path(__file__).with_name("qmatmul.h")
+                for name in ("qmatmul.c", "qmatmul_batch.c", "decode_attention.c", "decode_layers.c", "native_abi.c"))
+HEADERS = (native_abi.HEADER, Path(__file__).with_name("kernels.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-
-
-class Part(ctypes.Structure):
-    """qmatmul.h's Part: one quantized matrix of a linear layer and its first output column."""
-    _fields_ = [("q", _P), ("d", _P), ("dm", _P), ("sc", _P), ("mn", _P),
-                ("gs", _I), ("sg", _I), ("bits", _I), ("shift", _I), ("blocks", _I), ("column", _I),
-                ("span", _I)]
-
-
-class Scratch(ctypes.Structure):
-    """qmatmul.h's Scratch: where the loops quantize a row's activations."""
-    _fields_ = [("xq", _P), ("dx", _P), ("xsum", _P), ("xqsum", _P)]
-
-
 _SIGNATURES = {"qlinear": [_P, _I, _I, _I, _I, ctypes.POINTER(Scratch), ctypes.POINTER(Part), _I, _P, _I],
                "decode_layers": [_P, _P, _I, _P],
                "rms_norm_rows": [_P, _I, _I, _P, _I, ctypes.c_float, _P],
@@ -72,21 +63,59 @@ def _cpu_flags() -> str:
 
 def library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    identity = "\n".join([*(path.read_text() for path in (*SOURCES, HEADER)), compiler, version, " ".join(FLAGS), _cpu_flags()])
+    identity = "\n".join([*(path.read_text() for path in (*SOURCES, *HEADERS)), compiler, version, " ".join(FLAGS), _cpu_flags()])
     return native_folder() / f"qmatmul-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
 
 
-def _build(compiler: str, out: Path) -> None:
+# library_path's names and their digest records (not the staging files of a build in progress)
+_FINISHED_BUILD = re.compile(rf"qmatmul-[0-9a-f]{{20}}\.so({re.escape(DIGEST_SUFFIX)})?")
+
+
+def _remove_other_builds(current: Path) -> None:
+    """The finished libraries beside `current` other than it, and their digest records, removed:
+    each change of the sources, the compiler or the CPU builds a library of its own, and none is
+    loaded again once another is built. Another process's build in progress (its staging files)
+    is left alone. A process that loaded an old library keeps it mapped; checkouts of different
+    sources that share one folder rebuild in turn."""
+    keep = {current.name, digest_path(current).name}
+    for path in current.parent.iterdir():
+        if path.name not in keep and _FINISHED_BUILD.fullmatch(path.name):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as error:
+                log.warning("could not remove an old native build: %s", error)
+
+
+def _build(compiler: str, out: Path, sources: tuple[Path, ...] = SOURCES, flags: tuple[str, ...] = FLAGS) -> None:
+    """`sources` compiled with `flags` into `out` (its digest recorded beside it)."""
     staging = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")
     try:
-        result = subprocess.run([compiler, *FLAGS, "-o", str(staging), *map(str, SOURCES), "-lm"],
+        result = subprocess.run([compiler, *flags, "-o", str(staging), *map(str, sources), "-lm"],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {', '.join(p.name for p in SOURCES)}: "
+            raise RuntimeError(f"{compiler} failed on {', '.join(p.name for p in sources)}: "
                                f"{result.stderr.strip()[-2000:]}")
         install(staging, out)
     finally:
         staging.unlink(missing_ok=True)
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """The library at `path` loaded, its layout of the shared structures checked against
+    native_abi.py's (RuntimeError where they differ) before its functions are declared."""
+    import torch  # noqa: F401  (its libgomp first: the library binds to the loaded one)
+
+    lib = ctypes.CDLL(str(path))
+    problem = native_abi.abi_problem(lib)
+    if problem:
+        raise RuntimeError(f"{path} disagrees with native_abi.py's declarations, not calling it: {problem}")
+    for name, argtypes in _SIGNATURES.items():
+        try:
+            function = getattr(lib, name)
+        except AttributeError:
+            raise RuntimeError(f"{path} exports no function {name}") from None
+        function.argtypes, function.restype = argtypes, None
+    return lib
 
 
 def _load() -> ctypes.CDLL:
@@ -101,16 +130,11 @@ def _load() -> ctypes.CDLL:
     if not out.exists() or digest_problem(out) is not None:
         _build(compiler, out)
         log.info("built the quantized matmul: %s", out)
+        _remove_other_builds(out)
     problem = digest_problem(out)
     if problem:
         raise RuntimeError(f"{out}: {problem}")
-    import torch  # noqa: F401  (its libgomp first: the library binds to the loaded one)
-
-    lib = ctypes.CDLL(str(out))
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes, function.restype = argtypes, None
-    return lib
+    return open_library(out)
 
 
 def library() -> ctypes.CDLL | None:

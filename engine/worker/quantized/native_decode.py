@@ -21,31 +21,11 @@ import torch
 from engine.worker.kv_layout import layer_kv
 from engine.worker.models.layers.quantized_linear import QuantizedLinear
 from engine.worker.quantized import native
-from engine.worker.quantized.matrix import LANES, LEVELS, Scratch
+from engine.worker.quantized.matrix import LANES, LEVELS, ActivationScratch
+from engine.worker.quantized.native_abi import Layer, Step
 
 if TYPE_CHECKING:
     from engine.worker.models.llama import LlamaModel
-
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-class _Layer(ctypes.Structure):
-    """decode_layers.c's Layer."""
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("qkv_parts", _I), ("qkv_bias", _P),
-                ("o", _P), ("o_parts", _I), ("gate_up", _P), ("gate_up_parts", _I), ("down", _P),
-                ("down_parts", _I), ("k_cache", _P), ("v_cache", _P)]
-
-
-class _Step(ctypes.Structure):
-    """decode_layers.c's Step."""
-    _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("ffn", _I), ("levels", _I),
-                ("eps", _F), ("scale", _F), ("block_size", _I), ("block_stride", _I), ("rows", _I), ("cos_sin", _P),
-                ("slots", _P), ("block_tables", _P), ("table_stride", _I), ("contexts", _P),
-                ("shared_blocks", _I), ("softmax", _P), ("scratch", native.Scratch),
-                ("x", _P), ("qkv", _P), ("attn", _P), ("delta", _P), ("gate_up", _P),
-                ("x_stride", _I), ("qkv_stride", _I), ("attn_stride", _I), ("delta_stride", _I), ("gate_up_stride", _I),
-                ("final_norm", _P), ("head", _P), ("head_parts", _I), ("logits", _P), ("logits_stride", _I)]
-
 
 class NativeDecode:
     """`model`'s layers for a batch of decoding tokens, natively; see the module's docstring."""
@@ -76,7 +56,7 @@ class NativeDecode:
         self._widths = {"x": shape.hidden_size, "qkv": shape.q_size + 2 * shape.kv_size, "attn": shape.q_size,
                         "delta": shape.hidden_size, "gate_up": 2 * self._ffn}
         self._layers: tuple[torch.Tensor, ctypes.Array] | None = None
-        self._step = _Step(hidden=shape.hidden_size, heads=shape.num_heads, kv_heads=shape.num_kv_heads,
+        self._step = Step(hidden=shape.hidden_size, heads=shape.num_heads, kv_heads=shape.num_kv_heads,
                            head_dim=shape.head_dim, ffn=self._ffn, levels=LEVELS, eps=shape.eps, scale=shape.scale)
         head = model.lm_head
         self._head = head if isinstance(head, QuantizedLinear) and head.bias is None else None
@@ -89,7 +69,7 @@ class NativeDecode:
         if rows <= self._room[0]:
             return
         step, kept = self._step, []
-        scratch = Scratch(LEVELS, rows, self._widest)
+        scratch = ActivationScratch(LEVELS, rows, self._widest)
         step.scratch = scratch.struct
         kept.append(scratch)
         softmax = torch.empty(rows, 2 * self.model.shape.num_heads)
@@ -105,7 +85,7 @@ class NativeDecode:
     def _layer_array(self, kv_cache: torch.Tensor) -> ctypes.Array:
         """The layers as C structs, with their views of `kv_cache` (made once per cache)."""
         if self._layers is None or self._layers[0] is not kv_cache:
-            array = (_Layer * len(self.model.layers))()
+            array = (Layer * len(self.model.layers))()
             for i, (entry, layer) in enumerate(zip(array, self.model.layers)):
                 k_cache, v_cache = layer_kv(kv_cache, i)
                 input_norm, post_norm = self._norms[i]

@@ -34,23 +34,21 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "qmatmul.h"
+#include "kernels.h"
 
 typedef struct {
     const int8_t *xq; const float *dx; const float *xsum; const int32_t *xqsum;
     int64_t chunks, rows;  /* chunks = in / 32 */
-    int32_t shift; const uint8_t *q; const _Float16 *d; const _Float16 *dm; const int8_t *sc; const int8_t *mn;
+    int32_t shift; const uint8_t *q; const half_bits *d; const half_bits *dm; const int8_t *sc; const int8_t *mn;
     int sg_shift; int64_t supers; float *y; int64_t y_stride;  /* sg = 1 << sg_shift; supers per row */
 } Args;
-
-static inline float half(const _Float16 *p) { return (float)*p; }
 
 /* Scale (and offset) of lane block b's scale group g, per lane. */
 static inline void group_scale(const Args *a, int64_t b, int64_t g, int64_t groups, float *scale, float *offset) {
     const int64_t s = (b * a->supers + (g >> a->sg_shift)) * LANES, gi = (b * groups + g) * LANES;
     for (int l = 0; l < LANES; l++) {
-        scale[l] = half(a->d + s + l) * (a->sc ? (float)a->sc[gi + l] : 1.0f);
-        if (offset) offset[l] = a->dm ? half(a->dm + s + l) * (a->mn ? (float)a->mn[gi + l] : 1.0f) : 0.0f;
+        scale[l] = half_to_float(a->d[s + l]) * (a->sc ? (float)a->sc[gi + l] : 1.0f);
+        if (offset) offset[l] = a->dm ? half_to_float(a->dm[s + l]) * (a->mn ? (float)a->mn[gi + l] : 1.0f) : 0.0f;
     }
 }
 
@@ -59,7 +57,7 @@ static inline void group_scale(const Args *a, int64_t b, int64_t g, int64_t grou
 #ifdef __AVX2__
 #include <immintrin.h>
 
-static inline __m256 load_factor(const Args *a, const _Float16 *per_super, const int8_t *per_group,
+static inline __m256 load_factor(const Args *a, const half_bits *per_super, const int8_t *per_group,
                                  int64_t b, int64_t g, int64_t groups) {
     return group_factor(per_super, per_group, b, g, a->sg_shift, a->supers, groups);
 }

@@ -43,7 +43,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "qmatmul.h"
+#include "kernels.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -53,8 +53,6 @@
                           16 registers (2 rows: 1.02-1.05x slower; 4 spilled: 1.6x slower) */
 #define PAIRS (CHUNK / 2)  /* k pairs a chunk holds */
 #define PASS_ROWS 128  /* rows a pass over the weights serves at most (see qlinear_batch_in_region) */
-#define SPAN_VALUES 128   /* matrix.py's: x's values per int16 scale (quantize_rows) */
-#define X_LIMIT 16383.0f  /* and their largest magnitude, which int32_span's bound counts on */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* With AVX-512 VNNI a tile takes WIDE_ROWS rows of 2 or 4 lane blocks: one vpdpwssd multiplies 2 k
@@ -109,14 +107,14 @@ static inline void ask_ahead(const Ahead *ahead, int64_t part, int64_t parts) {
     for (int i = 0; i < ahead->ranges; i++) prefetch_bytes(ahead->start[i] + first * 64, (last - first) * 64);
 }
 
-/* The factors (qmatmul.h's group_factor: scales or offsets) of lane block b's groups g0 .. g0+count-1,
+/* The factors (kernels.h's group_factor: scales or offsets) of lane block b's groups g0 .. g0+count-1,
    a vector of LANES each, at out, out + step, ...: the pointers walked, each super-block's f16
    factor converted once. (Computed a group at a time from b and g, with their index arithmetic,
    they took ~5% of a 32-row product.) */
-static inline void group_factors(const Batch *a, const _Float16 *per_super, const int8_t *per_group, int64_t b,
+static inline void group_factors(const Batch *a, const half_bits *per_super, const int8_t *per_group, int64_t b,
                                  int64_t g0, int64_t count, float *out, int64_t step) {
     const int sg_shift = __builtin_ctzll(a->p->sg);
-    const _Float16 *super = per_super + b * a->supers * LANES;
+    const half_bits *super = per_super + b * a->supers * LANES;
     const int8_t *group = per_group ? per_group + (b * a->groups + g0) * LANES : NULL;
     int64_t s = -1;
     __m256 d = _mm256_setzero_ps();
@@ -500,7 +498,7 @@ static void unit(const Batch *a, int64_t b, int64_t count) {
 static void quantize_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, int spans,
                           int16_t *xq, float *dx, float *xsum) {
     const int64_t chunks = in / CHUNK, span = spans ? SPAN_VALUES / CHUNK : 1;
-    const float limit = span > 1 ? X_LIMIT : 32767.0f;
+    const float limit = span > 1 ? (float)X_LIMIT : 32767.0f;
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     #pragma omp for collapse(2) schedule(static)
     for (int64_t r = 0; r < rows; r++)

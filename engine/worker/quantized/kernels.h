@@ -1,24 +1,37 @@
-/* What qmatmul.c offers the other native loops (decode_layers.c). */
+/* What the C files share among themselves: vector helpers and the functions one calls in another.
+   What they share with Python is native_abi.h. */
+#ifndef PAGEDCHAT_KERNELS_H
+#define PAGEDCHAT_KERNELS_H
+
 #include <stdint.h>
 
-/* One quantized matrix of a linear layer (laid out as qmatmul.c describes): its quants' width
-   (4, 6 or 8 bits) and 6-bit shift, where its part of the output starts, `column`, and `span`:
-   how many chunks' products qmatmul_batch.c may sum in int32 with the groups' integer factors sc
-   multiplied into the weights (0: keep them apart; matrix.py works it out from the quants). */
-typedef struct {
-    const uint8_t *q; const _Float16 *d; const _Float16 *dm; const int8_t *sc; const int8_t *mn;
-    int64_t gs, sg, bits, shift, blocks, column, span;
-} Part;
+#include "native_abi.h"
 
-/* Room for a row's activations as the loops quantize them, for rows x `in` values in `levels`
-   levels: xq [levels, rows, in] int8, dx [levels, rows, in / 32], xsum [rows, in / 32],
-   xqsum [levels, rows, in / 16] int32. */
-typedef struct {
-    int8_t *xq; float *dx; float *xsum; int32_t *xqsum;
-} Scratch;
+#ifdef __F16C__
+#include <immintrin.h>
+#else
+#include <string.h>
+#endif
 
-#define LANES 8   /* output features a block of quants holds; a part may write this far past its columns */
-#define CHUNK 32  /* activations are quantized per this many values */
+/* An f16 factor's value, one at a time (the vector loops convert 8 with _mm256_cvtph_ps): F16C's
+   conversion where the CPU has it, else from the bits' fields, exactly (a normal number's exponent
+   rebiased from 15 to 127; a subnormal is its mantissa times 2^-24; infinities and NaNs keep their
+   mantissa). */
+static inline float half_to_float(half_bits h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    if (exponent == 0) {
+        const float magnitude = (float)mantissa * 0x1p-24f;
+        return sign ? -magnitude : magnitude;
+    }
+    const uint32_t bits = sign | (exponent == 0x1f ? 0x7f800000u : (exponent + 112) << 23) | mantissa << 13;
+    float value;
+    memcpy(&value, &bits, sizeof(value));
+    return value;
+#endif
+}
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -26,7 +39,7 @@ typedef struct {
 /* A scale (d, sc) or an offset (dm, mn) of lane block b's group g, per lane: the f16 factor of
    its super-block (2^sg_shift groups; `supers` of them per output row) times the int8 factor of
    the group (when there is one; `groups` per row). */
-static inline __m256 group_factor(const _Float16 *per_super, const int8_t *per_group, int64_t b, int64_t g,
+static inline __m256 group_factor(const half_bits *per_super, const int8_t *per_group, int64_t b, int64_t g,
                                   int sg_shift, int64_t supers, int64_t groups) {
     /* a shift, not a division: a 64-bit divide per group was the 4-bit loop's largest cost */
     const int64_t s = (b * supers + (g >> sg_shift)) * LANES;
@@ -72,13 +85,6 @@ static inline __m256i top_bits(__m256i packed, int t) {
 void qlinear_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
                        const Scratch *scratch, const Part *parts, int64_t num_parts, float *y, int64_t y_stride);
 
-#ifndef BATCH_ROWS
-/* From this many rows (with two levels) qmatmul_batch.c's loops take a product: their tiles
-   reuse each unpacked weight chunk across the rows, which pays from about 8 rows, while the int8
-   loops stay ahead at a few rows (benchmarks/quantized_matrix.py measures both). */
-#define BATCH_ROWS 8
-#endif
-
 /* Eight running sums, so that the compiler can keep them in one vector register (a single float
    sum is a chain of dependent adds it may not reorder). */
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -111,3 +117,5 @@ void attend_finish(int64_t rep, int64_t dim, const float *total, float *out);
    returns 0, doing nothing, where it has no loops for this CPU. */
 int qlinear_batch_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, const Scratch *scratch,
                             const Part *parts, int64_t num_parts, float *y, int64_t y_stride);
+
+#endif
