@@ -29,7 +29,7 @@ if [ ! -x "$BUILD/llama-server" ] || [ ! -x "$BUILD/llama-batched-bench" ] || [ 
     cmake --build "$BUILD/cmake" --target llama-server llama-batched-bench llama-quantize -j "$(nproc)" >/dev/null
     cp "$BUILD/cmake/bin/llama-server" "$BUILD/cmake/bin/llama-batched-bench" "$BUILD/cmake/bin/llama-quantize" "$BUILD/"
 fi
-MODEL_DIR=$("$PY" -c "from engine.worker.model_loader import resolve_model; print(resolve_model(None))")
+MODEL_DIR=$("$PY" -c "from engine.worker.loading.model_files import resolve_model; print(resolve_model(None))")
 GGUF="$BUILD/smollm2-135m-$OUTTYPE.gguf"
 if [ ! -f "$GGUF" ]; then
     # The converter wants sentencepiece, which the project does not: a venv of its own that sees

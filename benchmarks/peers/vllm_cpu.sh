@@ -56,7 +56,7 @@ serve() {
     environment
     local model
     model=$(cd "$ROOT" && .venv/bin/python -c \
-        "from engine.worker.model_loader import resolve_model; print(resolve_model(None))")
+        "from engine.worker.loading.model_files import resolve_model; print(resolve_model(None))")
     echo "serving $model as smollm2 on 127.0.0.1:$port (dtype ${DTYPE:-float32})"
     # --enable-prompt-tokens-details: usage carries prompt_tokens_details.cached_tokens.
     # --enable-prefix-caching is vLLM v1's default; stated so a changed default cannot hide it.
