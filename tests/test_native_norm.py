@@ -1,4 +1,4 @@
-"""RMSNorm.native (engine/worker/quantized/decode_layers.c's rms_norm_rows): the norms of a model
+"""RMSNorm.native (engine/worker/quantized/native_layers.c's rms_norm_rows): the norms of a model
 served natively in fp32 on a CPU are one native call each and compute torch's fp32 rms_norm."""
 from __future__ import annotations
 

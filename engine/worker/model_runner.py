@@ -69,7 +69,7 @@ class ModelRunner:
         """The ways a step may run here, in the order `execute` tries them (its `last_path` names)."""
         paths = ["graphs"] if self.graphs is not None else []
         paths += list(self.compiled.kinds) if self.compiled is not None else []
-        paths += ["native"] if self.model.native_decode is not None else []
+        paths += ["native"] if self.model.native_layers is not None else []
         paths += ["eager-native"] if self.model.row_attention is not None else []
         return (*paths, "eager")
 

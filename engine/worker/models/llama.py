@@ -8,7 +8,7 @@ decode steps; weights come from the model's checkpoint (models/weights.py), q/k/
 projections fused into one matmul each. On a model whose layer matrices are all kept quantized (a
 GGUF file served natively, float32 on a CPU), a step whose every sequence computes one token (a
 lone chat's, a batch of decodes) or a small one (a cached prompt's tail) runs its layers in one
-native call instead (engine/worker/quantized/native_decode.py), the same arithmetic in C, and
+native call instead (engine/worker/quantized/native_layers.py), the same arithmetic in C, and
 every other step takes its norms from native code (RMSNorm.native).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from engine.worker.models.layers.row_attention import RowAttention
 from engine.worker.models.layers.shape import DecoderShape
 from engine.worker.models.weights import DecoderWeights, Weight
 from engine.worker.quantized import native
-from engine.worker.quantized.native_decode import NativeDecode
+from engine.worker.quantized.native_layers import NativeLayers
 from engine.worker.quantized.matrix import QuantizedMatrix
 
 # A step that is not all decodes runs natively (decodes_natively) when it has at most
@@ -95,8 +95,8 @@ class LlamaModel:
             + [self.lm_head])
         self.rotary = RotaryTable(checkpoint, dtype, device)
         # A batch of decoding tokens' layers in one native call, where every layer matrix is kept quantized.
-        self.native_decode = NativeDecode.of(self) if self.quantized else None
-        if self.native_decode is not None:  # ... and the other steps' norms (see RMSNorm.native)
+        self.native_layers = NativeLayers.of(self) if self.quantized else None
+        if self.native_layers is not None:  # ... and the other steps' norms (see RMSNorm.native)
             lib = native.library()
             for norm in [self.norm, *(n for layer in self.layers for n in (layer.input_norm, layer.post_norm))]:
                 norm.native = lib
@@ -122,14 +122,14 @@ class LlamaModel:
 
     def decodes_natively(self, num_tokens: int, num_seqs: int, longest: int) -> bool:
         """Whether a step of `num_tokens` tokens over `num_seqs` sequences, the longest bringing
-        `longest`, runs its layers in `native_decode`, each token a row attending over its own
+        `longest`, runs its layers in `native_layers`, each token a row attending over its own
         context: a step of decodes (one token a sequence, however many), a small one (a cached
         prompt's last partial block, a short turn), or chats' short turns past a cached prompt
         (whose blocks in common the native attention reads once for 16 rows: 32 chats' 640 rows of
         the 1B Q4_K_M took 0.94-0.96x the eager forward's time). A long prompt takes the eager
         forward, whose attention runs as matmuls where the native one reads each token's keys
         apart. Such a step reads the paged cache in native code only: it needs no attention plan."""
-        return self.native_decode is not None and 0 < num_tokens and (
+        return self.native_layers is not None and 0 < num_tokens and (
             num_tokens == num_seqs or num_tokens <= NATIVE_STEP_TOKENS
             or (longest <= NATIVE_QUERY_TOKENS and num_tokens <= NATIVE_STEP_ROWS))
 
@@ -147,7 +147,7 @@ class LlamaModel:
             hidden = F.embedding(input_ids, self.embed)
         num_tokens, num_seqs = input_ids.shape[0], meta.seqused_k.shape[0]
         # the longest query's length only where it can decide: a step of decodes, or a GPU step, needs none
-        longest = 1 if num_tokens == num_seqs or self.native_decode is None else int(meta.cu_seqlens_q.diff().max())
+        longest = 1 if num_tokens == num_seqs or self.native_layers is None else int(meta.cu_seqlens_q.diff().max())
         if self.decodes_natively(num_tokens, num_seqs, longest):
             tables, contexts = meta.block_table, meta.seqused_k
             if input_ids.shape[0] != contexts.shape[0]:  # a sequence's tokens: each its own row and context
@@ -156,7 +156,7 @@ class LlamaModel:
                 tables = tables[sequence]
                 contexts = (contexts[sequence] - (meta.cu_seqlens_q[1:][sequence] - 1 - torch.arange(len(sequence))))
                 contexts = contexts.to(torch.int32)
-            return self.native_decode(hidden, cos_sin, kv_cache, meta.slot_mapping, tables, contexts, logits_indices)
+            return self.native_layers(hidden, cos_sin, kv_cache, meta.slot_mapping, tables, contexts, logits_indices)
         shape = self.shape
         q_size, kv_size, dim = shape.q_size, shape.kv_size, shape.head_dim
         for layer, (k_cache, v_cache) in zip(self.layers, self._layer_views(kv_cache)):

@@ -98,7 +98,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return total;
 }
 
-/* decode_attention.c: `rep` query heads (q [rep, dim]) that share kv head `kv_head` attend over the
+/* row_attention.c: `rep` query heads (q [rep, dim]) that share kv head `kv_head` attend over the
    first `context` keys of a sequence, read through its block table from the paged cache; out
    [rep, dim]. */
 void attend_kv_head(const float *q, int64_t rep, const float *k_cache, const float *v_cache,

@@ -1,5 +1,5 @@
 """The quantized matmul's C loops (qmatmul.c, qmatmul_batch.c), the decoding sequences' attention
-(decode_attention.c) and the decoding tokens' layers built on them (decode_layers.c), compiled
+(row_attention.c) and the decoding tokens' layers built on them (native_layers.c), compiled
 once per machine into one library and loaded with ctypes.
 
 The library is built with the system's C compiler for this CPU's instructions (`-march=native`)
@@ -34,7 +34,7 @@ from engine.worker.quantized.native_abi import Part, Scratch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("qmatmul.c", "qmatmul_batch.c", "decode_attention.c", "decode_layers.c", "native_abi.c"))
+                for name in ("qmatmul.c", "qmatmul_batch.c", "row_attention.c", "native_layers.c", "native_abi.c"))
 HEADERS = (native_abi.HEADER, Path(__file__).with_name("kernels.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _lock = threading.Lock()
@@ -42,9 +42,9 @@ _state: dict[str, object] = {}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {"qlinear": [_P, _I, _I, _I, _I, ctypes.POINTER(Scratch), ctypes.POINTER(Part), _I, _P, _I],
-               "decode_layers": [_P, _P, _I, _P],
+               "layers_step": [_P, _P, _I, _P],
                "rms_norm_rows": [_P, _I, _I, _P, _I, ctypes.c_float, _P],
-               "decode_attention": [_P, _I, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]}
+               "row_attention": [_P, _I, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]}
 
 
 def _compiler() -> str | None:

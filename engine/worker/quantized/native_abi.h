@@ -48,7 +48,7 @@ typedef struct {
     int8_t *xq; float *dx; float *xsum; int32_t *xqsum;
 } Scratch;
 
-/* decode_layers.c: one decoder layer's weights and its part of the paged cache. */
+/* native_layers.c: one decoder layer's weights and its part of the paged cache. */
 typedef struct {
     const float *input_norm, *post_norm;          /* [hidden] */
     const Part *qkv; int64_t qkv_parts; const float *qkv_bias;  /* bias [q + 2 kv] or NULL */
@@ -58,7 +58,7 @@ typedef struct {
     float *k_cache, *v_cache;                     /* this layer's K and V in block 0 */
 } Layer;
 
-/* decode_layers.c: a step's shapes, its tokens and the room its layers work in. */
+/* native_layers.c: a step's shapes, its tokens and the room its layers work in. */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, ffn, levels;
     float eps, scale;
@@ -69,7 +69,7 @@ typedef struct {
     const int32_t *block_tables;   /* [rows, table_stride]: each sequence's blocks */
     int64_t table_stride;
     const int32_t *contexts;       /* [rows]: each sequence's keys, its token's included */
-    int64_t shared_blocks;         /* set by decode_layers: the leading blocks every sequence holds alike */
+    int64_t shared_blocks;         /* set by layers_step: the leading blocks every sequence holds alike */
     float *softmax;                /* [rows, 2 * heads]: each query head's running maximum, then its sum */
     Scratch scratch;               /* for rows x the widest row: max(hidden, q heads' size, ffn) */
     /* [rows, stride] each, the stride its width plus LANES floats of room for a part's padding */

@@ -51,14 +51,14 @@ class Scratch(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """One decoder layer's weights and its part of the paged cache (decode_layers.c)."""
+    """One decoder layer's weights and its part of the paged cache (native_layers.c)."""
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("qkv_parts", _I), ("qkv_bias", _P),
                 ("o", _P), ("o_parts", _I), ("gate_up", _P), ("gate_up_parts", _I), ("down", _P),
                 ("down_parts", _I), ("k_cache", _P), ("v_cache", _P)]
 
 
 class Step(ctypes.Structure):
-    """A decode step's shapes, tokens and room (decode_layers.c)."""
+    """A decode step's shapes, tokens and room (native_layers.c)."""
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("ffn", _I), ("levels", _I),
                 ("eps", _F), ("scale", _F), ("block_size", _I), ("block_stride", _I), ("rows", _I), ("cos_sin", _P),
                 ("slots", _P), ("block_tables", _P), ("table_stride", _I), ("contexts", _P),

@@ -36,7 +36,7 @@ class RMSNorm:
         self.weight, self.eps = weight, eps
         # The second half of the doubled row is thrown away: any weight serves there.
         self.mirrored = None if weight.dtype == torch.float32 else torch.cat([weight, weight])
-        # The native library's rms_norm_rows (engine/worker/quantized/decode_layers.c), set by a
+        # The native library's rms_norm_rows (engine/worker/quantized/native_layers.c), set by a
         # model served natively on a CPU in fp32: one call where torch's fp32 rms_norm is ~8 ops.
         self.native = None
 

@@ -1,5 +1,5 @@
 """Attention with every new token a row of its own over the paged cache, in native code
-(engine/worker/quantized/decode_attention.c): the eager forward's attention on a CPU in float32.
+(engine/worker/quantized/row_attention.c): the eager forward's attention on a CPU in float32.
 
 A decode is one row over its sequence's keys; a prompt chunk's tokens are rows over the same
 blocks, each with its own context (its position + 1: causal), their K/V stored before any row
@@ -50,7 +50,7 @@ class RowAttention:
         row's blocks and keys (its own included, already stored). Returns `[rows, heads, head_dim]`."""
         rows, heads, dim = q.shape
         out = torch.empty(rows, heads, dim)
-        self._lib.decode_attention(q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), k_cache.data_ptr(),
+        self._lib.row_attention(q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), k_cache.data_ptr(),
                                    v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), contexts.data_ptr(), rows,
                                    heads, self.num_kv_heads, dim, k_cache.shape[1], k_cache.stride(0), scale)
         return out

@@ -1,14 +1,14 @@
-"""A batch of decoding tokens through every decoder layer in one native call (decode_layers.c).
+"""A batch of decoding tokens through every decoder layer in one native call (native_layers.c).
 
 A chat decoding alone on a CPU, its weight matrices kept quantized, spent as long in eager torch's
 small ops and the Python around each matmul as in the matmuls themselves (SmolLM2-135M Q4_1 on a
 2-core EPYC: 11.4 of 24.3 ms a token outside them), and a batch of 32 decoding chats ~19% of its
 step in them (rotary, the cache store, residuals, silu-and-mul, norms, attention's small ops).
-`NativeDecode` runs the layers' whole arithmetic for a step whose every sequence computes one
+`NativeLayers` runs the layers' whole arithmetic for a step whose every sequence computes one
 token in C instead, in one OpenMP region, and the final norm and the output head there too when
 the head is quantized (a 1B Q4_K_M's Q6_K head, 79 MiB, streamed in the same region rather than
 after a Python call of its own: a lone chat's step ~1 ms shorter); the embedding stays in torch.
-It serves float32 models whose every layer matrix is quantized (`NativeDecode.of` says None
+It serves float32 models whose every layer matrix is quantized (`NativeLayers.of` says None
 otherwise, and the eager forward runs).
 """
 from __future__ import annotations
@@ -27,11 +27,11 @@ from engine.worker.quantized.native_abi import Layer, Step
 if TYPE_CHECKING:
     from engine.worker.models.llama import LlamaModel
 
-class NativeDecode:
+class NativeLayers:
     """`model`'s layers for a batch of decoding tokens, natively; see the module's docstring."""
 
     @classmethod
-    def of(cls, model: LlamaModel) -> NativeDecode | None:
+    def of(cls, model: LlamaModel) -> NativeLayers | None:
         shape = model.shape
         linears = [part for layer in model.layers for part in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         if (model.device.type != "cpu" or model.dtype != torch.float32 or not linears
@@ -143,7 +143,7 @@ class NativeDecode:
             logits = torch.empty(rows, head.out_features + LANES)  # the last part's padding
             step.final_norm, step.head, step.head_parts = self._final_norm.data_ptr(), ctypes.addressof(head.part_array), len(head.parts)
             step.logits, step.logits_stride = logits.data_ptr(), logits.stride(0)
-        self._lib.decode_layers(hidden.data_ptr(), ctypes.addressof(layers), len(self.model.layers), ctypes.byref(step))
+        self._lib.layers_step(hidden.data_ptr(), ctypes.addressof(layers), len(self.model.layers), ctypes.byref(step))
         if kept is not None:
             self._room = (0, [])
             self._make_room(kept[0])

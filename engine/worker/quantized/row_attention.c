@@ -8,7 +8,7 @@
    dozen small ops a layer (gathers of each chat's own blocks, batched matmuls of 4 x 64 x 48, a
    softmax over a concatenation), each with its dispatch and its copy.
 
-   Cache layout (LlamaModel.kv_cache_shape, as decode_layers.c reads it): a layer's K of block b,
+   Cache layout (LlamaModel.kv_cache_shape, as native_layers.c reads it): a layer's K of block b,
    kv head j, offset o starts at k_cache + b * block_stride + (j * block_size + o) * head_dim; V the
    same from v_cache. */
 #include <math.h>
@@ -265,10 +265,10 @@ void attend_kv_head(const float *q, int64_t rep, const float *k_cache, const flo
 
 /* Sequence s's query heads (q + s * q_stride, heads x dim) over its contexts[s] keys through its
    block table (block_tables + s * table_stride), into out + s * out_stride; grouped query heads:
-   head h reads kv head h / (heads / kv_heads). The engine's layers (decode_layers.c) call the
+   head h reads kv head h / (heads / kv_heads). The engine's layers (native_layers.c) call the
    functions above themselves, inside their own parallel region; this entry, with its own region,
-   is how tests/test_decode_attention.py holds the kernel to kernels/reference.py. */
-void decode_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride, const float *k_cache,
+   is how tests/test_row_attention_c.py holds the kernel to kernels/reference.py. */
+void row_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride, const float *k_cache,
                       const float *v_cache, const int32_t *block_tables, int64_t table_stride, const int32_t *contexts,
                       int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
                       int64_t block_stride, float scale) {

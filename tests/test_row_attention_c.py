@@ -1,4 +1,4 @@
-"""engine/worker/quantized/decode_attention.c (the attention of native_decode's layers): a batch of
+"""engine/worker/quantized/row_attention.c (the attention of native_layers's layers): a batch of
 decoding sequences' attention in one native call equals the torch reference (kernels/reference.py)
 over the same paged cache (blocks out of order, a shared prefix, grouped query heads, contexts that
 end mid-block)."""
@@ -14,7 +14,7 @@ from kernels import reference
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seqused_k: torch.Tensor, num_kv_heads: int, scale: float) -> torch.Tensor:
-    """decode_attention.c's entry: q `[seqs, heads, dim]` (heads contiguous), a layer's caches as
+    """row_attention.c's entry: q `[seqs, heads, dim]` (heads contiguous), a layer's caches as
     layer_kv gives them, int32 block table and contexts: the output `[seqs, heads, dim]`."""
     seqs, heads, dim = q.shape
     assert q.stride(2) == 1 and q.stride(1) == dim and block_table.stride(1) == 1

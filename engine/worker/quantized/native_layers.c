@@ -14,7 +14,7 @@
      h += attn @ Wo.T;  x = rms_norm(h) * post_norm;  [g, u] = x @ Wgu.T;  h += (silu(g) * u) @ Wd.T
    The sums run in another order than torch's, so results agree to float32 rounding, not bits.
 
-   The attention is decode_attention.c's, which describes the cache's layout. Layer and Step, which
+   The attention is row_attention.c's, which describes the cache's layout. Layer and Step, which
    Python fills in, are native_abi.h's. */
 #include <math.h>
 #include <stdint.h>
@@ -157,7 +157,7 @@ static void layer_in_region(float *h, const Layer *l, const Step *s) {
    (before the final norm); every layer's K and V of the tokens are written into the cache; with
    s->head, s->logits gets each row's logits (a lone chat's head, the largest matrix of a small
    model, then streams inside the same region, not after a Python call and a region of its own). */
-void decode_layers(float *h, const Layer *layers, int64_t num_layers, Step *s) {
+void layers_step(float *h, const Layer *layers, int64_t num_layers, Step *s) {
     /* the shared blocks: alike in every row's table and full in every row's context */
     int64_t shared = 0, fewest = s->contexts[0];
     for (int64_t r = 1; r < s->rows; r++) fewest = s->contexts[r] < fewest ? s->contexts[r] : fewest;

@@ -1,4 +1,4 @@
-"""engine/worker/quantized/native_decode.py: a batch of decoding tokens (a lone chat's, several
+"""engine/worker/quantized/native_layers.py: a batch of decoding tokens (a lone chat's, several
 chats') through every layer in one native call computes what the eager forward computes over the
 same quantized weights, reading and writing the same paged cache; the engine takes it for every
 step whose sequences each compute one token; models it cannot serve keep the eager forward."""
@@ -12,7 +12,7 @@ import kernels
 from engine import LLM, SamplingParams
 from engine.worker.loading.gguf_file import load_model
 from engine.worker.models.llama import NATIVE_QUERY_TOKENS, NATIVE_STEP_TOKENS, AttentionMetadata, LlamaModel
-from engine.worker.quantized.native_decode import NativeDecode
+from engine.worker.quantized.native_layers import NativeLayers
 from tests.test_gguf_file import T, tiny_llama_tensors, write_gguf
 
 BLOCK_SIZE = 4
@@ -58,14 +58,14 @@ def dequantized_model(path: str, config) -> LlamaModel:
 
 
 def decode_logits(model: LlamaModel, sequences: list[list[int]], prompts: list[int],
-                  native: NativeDecode | None, shared: int = 0, sampled: list[int] | None = None) -> torch.Tensor:
+                  native: NativeLayers | None, shared: int = 0, sampled: list[int] | None = None) -> torch.Tensor:
     """Logits `[steps, sequences, vocab]` of each sequence's tokens after its prompt (its first
     `prompts[i]`, prefilled alone), the sequences decoding together one token each a step, over a
     paged cache whose blocks are out of order, with `native` as the model's native decode. The
     sequences' first `shared` blocks are the same blocks (their tokens must be alike), as the
     prefix cache shares a common system prompt's. `sampled`: the sequences whose logits the
     decode steps ask for (the others' as a sequence mid-prompt's, none), all by default."""
-    model.native_decode = native
+    model.native_layers = native
     counts = [-(-len(ids) // BLOCK_SIZE) for ids in sequences]
     order = torch.randperm(2 * sum(counts) + 1, generator=torch.Generator().manual_seed(1)).int()
     cache = torch.zeros(model.kv_cache_shape(len(order), BLOCK_SIZE))
@@ -116,9 +116,9 @@ def test_decoding_tokens_through_the_native_layers_are_the_eager_forward(request
     the same native call (quantized) or after it in torch (dense)."""
     path = request.getfixturevalue(gguf)
     model = native_model(path, tiny_hf.config)
-    assert (native_model(path, tiny_hf.config).native_decode._head is not None) == (gguf == "all_quantized_gguf")
-    native = model.native_decode
-    assert isinstance(native, NativeDecode)
+    assert (native_model(path, tiny_hf.config).native_layers._head is not None) == (gguf == "all_quantized_gguf")
+    native = model.native_layers
+    assert isinstance(native, NativeLayers)
     assert model.decodes_natively(1, 1, 1) and model.decodes_natively(40, 40, 1) and model.decodes_natively(16, 1, 16)
     assert model.decodes_natively(640, 32, 24)  # chats' short turns past a cached prompt
     assert not model.decodes_natively(33, 1, 33)  # a long prompt: the eager forward's attention
@@ -143,11 +143,11 @@ def test_a_small_prompt_step_runs_natively_each_token_over_its_own_context(all_q
     turn) beside another's decode: each token a row attending over the keys up to its own, the
     chunk's earlier tokens included; the last tokens' logits are the eager forward's."""
     model = native_model(all_quantized_gguf, tiny_hf.config)
-    native = model.native_decode
+    native = model.native_layers
     first, second = random_ids([30, 12], tiny_hf.config.vocab_size, seed=7)
 
-    def run(decode: NativeDecode | None) -> list[torch.Tensor]:
-        model.native_decode = decode
+    def run(decode: NativeLayers | None) -> list[torch.Tensor]:
+        model.native_layers = decode
         cache = torch.zeros(model.kv_cache_shape(16, BLOCK_SIZE))
         table = torch.tensor([[9, 2, 14, 5, 11, 0, 7, 3], [4, 13, 1, 8, 0, 0, 0, 0]], dtype=torch.int32)
         model.rotary.ensure(32)
@@ -169,12 +169,12 @@ def test_a_small_prompt_step_runs_natively_each_token_over_its_own_context(all_q
                 step([(0, 19, 30)])]
 
     calls = []
-    original = NativeDecode.__call__
-    NativeDecode.__call__ = lambda self, hidden, *rest: calls.append(hidden.shape[0]) or original(self, hidden, *rest)
+    original = NativeLayers.__call__
+    NativeLayers.__call__ = lambda self, hidden, *rest: calls.append(hidden.shape[0]) or original(self, hidden, *rest)
     try:
         ours = run(native)
     finally:
-        NativeDecode.__call__ = original
+        NativeLayers.__call__ = original
     assert calls == [13, 16, 2, 11]  # every step natively, a row a token
     eager = run(None)
     for a, b in zip(ours, eager):
@@ -186,7 +186,7 @@ def test_a_step_that_samples_some_of_its_rows_gets_their_logits(all_quantized_gg
     """A sequence computing one token of its prompt (a chunk of one) wants no logits: the head
     then runs in torch over the rows that do, and their logits are the eager forward's."""
     model = native_model(all_quantized_gguf, tiny_hf.config)
-    native = model.native_decode
+    native = model.native_layers
     sequences, prompts = random_ids([20, 18, 21], tiny_hf.config.vocab_size, seed=5), [6, 4, 7]
     ours = decode_logits(model, sequences, prompts, native, sampled=[0, 2])
     eager = decode_logits(model, sequences, prompts, None, sampled=[0, 2])
@@ -203,7 +203,7 @@ def test_a_qkv_bias_is_added_before_the_rotation(all_quantized_gguf, tiny_hf):
     generator = torch.Generator().manual_seed(3)
     for layer in model.layers:
         layer.qkv.bias = 0.5 * torch.randn(layer.qkv.out_features, generator=generator)
-    native = NativeDecode.of(model)  # takes the biases as it is made
+    native = NativeLayers.of(model)  # takes the biases as it is made
     sequences, prompts = random_ids([24, 22], tiny_hf.config.vocab_size, seed=3), [5, 3]
     ours, eager = decode_logits(model, sequences, prompts, native), decode_logits(model, sequences, prompts, None)
     without_bias = decode_logits(native_model(all_quantized_gguf, tiny_hf.config), sequences, prompts, None)
@@ -215,12 +215,12 @@ def test_a_qkv_bias_is_added_before_the_rotation(all_quantized_gguf, tiny_hf):
 def test_models_it_cannot_serve_keep_the_eager_forward(all_quantized_gguf, tiny_hf, tmp_path):
     # q/k/v kept dense: not every layer matrix is quantized
     partly = write_gguf(tmp_path / "partly.gguf", "llama", tiny_llama_tensors(tiny_hf), file_type=7)
-    assert native_model(partly, tiny_hf.config).native_decode is None
+    assert native_model(partly, tiny_hf.config).native_layers is None
     dequantized = dequantized_model(all_quantized_gguf, tiny_hf.config)
-    assert dequantized.native_decode is None and not dequantized.decodes_natively(1, 1, 1)
+    assert dequantized.native_layers is None and not dequantized.decodes_natively(1, 1, 1)
     in_bf16 = LlamaModel(load_model(all_quantized_gguf, tiny_hf.config, torch.bfloat16, quantized=True),
                          torch.bfloat16, torch.device("cpu"))
-    assert in_bf16.native_decode is None
+    assert in_bf16.native_layers is None
 
 
 def test_the_engine_decodes_natively_and_greedy_replies_match_the_eager_forward(embedded_gguf, monkeypatch):
@@ -229,11 +229,11 @@ def test_the_engine_decodes_natively_and_greedy_replies_match_the_eager_forward(
     plans torch's attention), and the greedy replies are the eager forward's, token for token."""
     llm = LLM(embedded_gguf, quantization="native", num_gpu_blocks=128, num_cpu_blocks=8, compile_decode=False)
     model = llm.engine.core.runner.model
-    assert isinstance(model.native_decode, NativeDecode)
+    assert isinstance(model.native_layers, NativeLayers)
     assert all(layer.input_norm.native is not None for layer in model.layers)  # RMSNorm.native, for prompt steps
     rows = []
-    native_call = NativeDecode.__call__
-    monkeypatch.setattr(NativeDecode, "__call__", lambda self, hidden, *rest: rows.append(hidden.shape[0])
+    native_call = NativeLayers.__call__
+    monkeypatch.setattr(NativeLayers, "__call__", lambda self, hidden, *rest: rows.append(hidden.shape[0])
                         or native_call(self, hidden, *rest))
     plans = []
     plan_attention = kernels.plan_attention
@@ -254,9 +254,9 @@ def test_the_engine_decodes_natively_and_greedy_replies_match_the_eager_forward(
     long_prompt = " ".join(["Summarise how an operating system pages memory to disk and back."] * 4)
     llm.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0))
     assert plans and max(plans[-1]) > NATIVE_QUERY_TOKENS  # a long prompt: the eager forward's attention
-    native, model.native_decode = model.native_decode, None
+    native, model.native_layers = model.native_layers, None
     try:
         eager = replies()
     finally:
-        model.native_decode = native
+        model.native_layers = native
     assert ours == eager and all(len(t) == 16 for t in ours)
