@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--flat-package", default=None,
                         help="also time this flat package beside the engine's own, as \"other\" (a variant of "
-                             "models/flat_step.py, or an older build; one built without weights gets the engine's)")
+                             "compiled/flat_step.py, or an older build; one built without weights gets the engine's)")
     args = parser.parse_args()
 
     import torch
@@ -113,7 +113,7 @@ def main() -> None:
     other = None
     if args.flat_package:
         from engine.worker.compiled.steps import CompiledSteps
-        from engine.worker.models.flat_step import FlatStep
+        from engine.worker.compiled.flat_step import FlatStep
 
         package = torch._inductor.aoti_load_package(args.flat_package)
         constants = FlatStep(core.model).constants()

@@ -385,7 +385,7 @@ def test_a_hub_models_package_follows_its_revision(packages, tmp_path, monkeypat
 def test_matvec_blocks_multiply_like_linear(rows, bias):
     """`MatVec` keeps a weight in blocks of one cache line of output features (16 in fp32),
     padding the last block: one row times it is `linear`'s result, whatever the row count."""
-    from engine.worker.models.decode_step import MatVec
+    from engine.worker.compiled.lone_step import MatVec
 
     torch.manual_seed(0)
     weight, b = torch.randn(rows, 48), torch.randn(rows) if bias else None

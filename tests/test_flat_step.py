@@ -1,4 +1,4 @@
-"""The flat step (engine/worker/models/flat_step.py, fed by engine/worker/flat_batch.py): a step of
+"""The flat step (engine/worker/compiled/flat_step.py, fed by engine/worker/flat_batch.py): a step of
 any mix of prompt chunks and decodes as one batch gives the tokens of the separate paths. Here it
 runs as the torch module its package is compiled from, installed where the engine would load the
 package; tests/test_compiled_decode.py runs the compiled package on the real model's weights."""
@@ -10,7 +10,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.worker.compiled.steps import CompiledSteps
 from engine.worker.flat_batch import FlatSequence, flat_batch
-from engine.worker.models.flat_step import FlatStep
+from engine.worker.compiled.flat_step import FlatStep
 from hf_reference import hf_greedy
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

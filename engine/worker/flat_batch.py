@@ -1,4 +1,4 @@
-"""A step's scheduled sequences as the inputs of the compiled flat step (models/flat_step.py).
+"""A step's scheduled sequences as the inputs of the compiled flat step (compiled/flat_step.py).
 
 Each sequence brings its new tokens from position `start` on, and its block table. Sequences with
 one new token are decode rows; the others are prompt chunks, padded to the longest. Every input

@@ -13,8 +13,8 @@ from engine.worker.cache_folders import packages_folder
 from engine.worker.compiled.package_key import staging_path
 from engine.worker.compiled.shapes import BATCH_BLOCK_SIZE, CAPACITY_STEP, MAX_BATCH, MAX_CONTEXT
 from engine.worker.loading.model_loader import load_checkpoint
-from engine.worker.models.decode_step import DecodeStep
-from engine.worker.models.flat_step import FlatStep
+from engine.worker.compiled.lone_step import LoneStep
+from engine.worker.compiled.flat_step import FlatStep
 from engine.worker.models.llama import LlamaModel
 from engine.worker.package_trust import digest_path, install
 
@@ -57,7 +57,7 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
 def _export_lone(checkpoint, dtype: torch.dtype):
     from torch.export import Dim
 
-    step = DecodeStep(checkpoint, dtype).eval()
+    step = LoneStep(checkpoint, dtype).eval()
     layers, kv_heads, dim = len(step.layers), step.shape.num_kv_heads, step.shape.head_dim
     example = (torch.zeros(1, dtype=torch.int64), torch.ones(1, dim, dtype=dtype), torch.zeros(1, dim, dtype=dtype),
                torch.zeros(layers, 2, kv_heads, 2 * CAPACITY_STEP, dim, dtype=dtype), torch.tensor(1))

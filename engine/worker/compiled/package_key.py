@@ -18,9 +18,9 @@ from engine.worker.loading.model_files import resolve_model
 _LAYERS = tuple(f"engine/worker/models/layers/{name}.py"
                 for name in ("activation", "attention", "rms_norm", "rotary", "shape"))
 
-_SOURCES = {"lone": ("engine/worker/compiled/export.py", "engine/worker/compiled/shapes.py", "engine/worker/models/decode_step.py",
+_SOURCES = {"lone": ("engine/worker/compiled/export.py", "engine/worker/compiled/shapes.py", "engine/worker/compiled/lone_step.py",
                      "engine/worker/models/weights.py", "engine/worker/models/layers/matvec.py", *_LAYERS),
-            "flat": ("engine/worker/compiled/export.py", "engine/worker/compiled/shapes.py", "engine/worker/models/flat_step.py",
+            "flat": ("engine/worker/compiled/export.py", "engine/worker/compiled/shapes.py", "engine/worker/compiled/flat_step.py",
                      "engine/worker/models/weights.py", "engine/worker/models/layers/linear.py", *_LAYERS)}
 
 _PREFIX = {"lone": "decode", "flat": "flat-step"}

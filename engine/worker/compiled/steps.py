@@ -3,11 +3,11 @@ chat's decode step, and any other step of a chat server (decodes and prompt chun
 
 What a single user waits for on a CPU is one sequence's decode step, and eager torch spends much
 of it between the weight matmuls: hundreds of small ops a step, each microseconds of dispatch.
-`DecodeStep` (engine/worker/models/decode_step.py) compiled ahead of time runs the whole step as
+`LoneStep` (engine/worker/compiled/lone_step.py) compiled ahead of time runs the whole step as
 one C++ call: the small ops fused into loops, the weight matmuls as loops over weights laid out
 for one row (`MatVec`), holding its own copy of the weights in that layout. Every other step, a
 batch of decodes with or without prompt chunks beside it (each arrival's new turn), runs
-`FlatStep` (engine/worker/models/flat_step.py) the same way, every new token a row of the same
+`FlatStep` (engine/worker/compiled/flat_step.py) the same way, every new token a row of the same
 matmuls, reading past K/V from the paged cache and multiplying by the engine's own weights
 (handed to the package when it loads: it holds none).
 
@@ -33,7 +33,7 @@ from engine.worker.compiled.builds import build_in_subprocess, sweep_leftovers
 from engine.worker.compiled.package_key import package_path, retired_packages
 from engine.worker.compiled.shapes import CAPACITY_STEP, DTYPES, KINDS
 from engine.worker.flat_batch import FlatSequence, flat_batch
-from engine.worker.models.flat_step import FlatStep
+from engine.worker.compiled.flat_step import FlatStep
 from engine.worker.models.llama import LlamaModel
 from engine.worker.package_trust import digest_path, digest_problem, folder_problem
 
@@ -207,7 +207,7 @@ class CompiledSteps:
 
     def run_flat(self, sequences: list[FlatSequence], kv_cache: torch.Tensor,
                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step of any mix of prompt chunks and decodes (models/flat_step.py). Returns fp32
+        """One step of any mix of prompt chunks and decodes (compiled/flat_step.py). Returns fp32
         logits and their argmax for each sequence that samples, in the order given; stores every
         new token's K/V in the cache."""
         batch = flat_batch(sequences, block_size, self.decoder.rotary.table)

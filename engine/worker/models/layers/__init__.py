@@ -1,5 +1,5 @@
 """The decoder's maths, each idea written once, from which every path assembles the model: the
-eager forward (models/llama.py) and the compiled steps (models/decode_step.py, models/flat_step.py),
+eager forward (models/llama.py) and the compiled steps (compiled/lone_step.py, compiled/flat_step.py),
 which differ from it only in how they read K/V and lay out weights.
 
 shape.py      the sizes and constants, read once from the transformers config

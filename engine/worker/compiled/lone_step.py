@@ -47,7 +47,7 @@ class FrozenDecoder(torch.nn.Module):
             self.layers.append(layer)
 
 
-class DecodeStep(FrozenDecoder):
+class LoneStep(FrozenDecoder):
     """Every weight matmul is a `MatVec`. The q and the k/v projections are two of them, as are
     the gate and the up projections and the two halves of the output head: two consumers of the
     same normalized input make the compiler (with `realize_reads_threshold=1`, see
