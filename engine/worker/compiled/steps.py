@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 def enabled_by_default() -> bool:
-    """$PAGEDCHAT_COMPILE=0 turns the compiled decode step off (the test suite does, but for its
+    """$PAGEDCHAT_COMPILE=0 turns the compiled steps off (the test suite does, but for its
     own tests of it)."""
     return os.environ.get("PAGEDCHAT_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -145,7 +145,7 @@ class CompiledSteps:
             problem = f"{folder} cannot be used: {error}"
         if problem is not None:
             self.error = f"compiled packages refused: {problem}"
-            log.warning("not loading or building compiled decode steps, decoding eagerly: %s", problem)
+            log.warning("not loading or building compiled steps, running eagerly: %s", problem)
             return
         sweep_leftovers(folder)
         for retired in retired_packages(folder):
@@ -157,7 +157,7 @@ class CompiledSteps:
                 path = self.paths[kind] = package_path(self.model, self.dtype, kind)
                 problem = digest_problem(path) if path.exists() else None
                 if problem is not None:
-                    log.warning("refusing the compiled %s decode step %s: %s; building it afresh", kind, path.name,
+                    log.warning("refusing the compiled %s step %s: %s; building it afresh", kind, path.name,
                                 problem)
                 if problem is not None or not path.exists():
                     _check_compiler()
@@ -166,10 +166,10 @@ class CompiledSteps:
                     if problem is not None:
                         raise RuntimeError(f"the package built was refused: {problem}")
                 self.install(kind, self._load(path, kind))
-                log.info("compiled %s decode step ready (%s)", kind, path.name)
+                log.info("compiled %s step ready (%s)", kind, path.name)
             except Exception as error:  # the eager path goes on serving
                 self.error = f"{kind} step: {type(error).__name__}: {error}"
-                log.warning("compiled %s decode step unavailable, decoding eagerly: %s", kind, self.error)
+                log.warning("compiled %s step unavailable, running eagerly: %s", kind, self.error)
 
     def _load(self, path: Path, kind: str):
         run = torch._inductor.aoti_load_package(str(path))
