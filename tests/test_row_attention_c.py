@@ -19,7 +19,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     seqs, heads, dim = q.shape
     assert q.stride(2) == 1 and q.stride(1) == dim and block_table.stride(1) == 1
     out = torch.empty(seqs, heads, dim)
-    native.library().decode_attention(q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), k_cache.data_ptr(),
+    native.library().row_attention(q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), k_cache.data_ptr(),
                                       v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
                                       seqused_k.data_ptr(), seqs, heads, num_kv_heads, dim, k_cache.shape[1],
                                       k_cache.stride(0), scale)
