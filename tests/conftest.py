@@ -33,7 +33,7 @@ SLOWEST_FIRST = ("test_compiled_decode",    # 235
                  "test_triton_compile",     # 107 (Triton's cache is empty on a clean machine)
                  "test_benchmark_scripts",  # 85
                  "test_app",                # 83
-                 "test_native_abi",         # ~90 (compiles the library four times)
+                 "test_native_abi",         # ~60 (compiles the library three times)
                  "test_engine",             # 59
                  "test_gguf_native",        # 39
                  "test_core_client",        # 38

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.worker.package_trust import install
 from engine.worker.quantized import native, native_abi
 from engine.worker.quantized.matrix import matmul
 from tests.test_gguf_formats import T
@@ -248,6 +249,10 @@ def test_a_new_build_removes_the_older_ones(tmp_path, monkeypatch):
     """After building, the loader removes the folder's other finished builds and their digest
     records, and nothing else: not another process's build in progress, not its own. Loading a
     build that exists removes nothing."""
+    # The build itself is the shared folder's library (compiling again would cost ~20 s and test
+    # nothing more), installed the way _build installs what the compiler wrote.
+    assert native.library() is not None
+    built = native.library_path(native._compiler()).read_bytes()
     monkeypatch.setenv("PAGEDCHAT_NATIVE_DIR", str(tmp_path))
     tmp_path.chmod(0o700)
     old = tmp_path / "qmatmul-0123456789abcdef0123.so"
@@ -259,6 +264,12 @@ def test_a_new_build_removes_the_older_ones(tmp_path, monkeypatch):
                    tmp_path / "qmatmul-fedcba9876543210fedc.so.sha256.4242.tmp", tmp_path / "notes.txt"]
     for path in in_progress:
         path.write_text("another process's")
+    def build(compiler, out, *args):
+        staging = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")
+        staging.write_bytes(built)
+        install(staging, out)
+
+    monkeypatch.setattr(native, "_build", build)
     lib = native._load()
     assert native_abi.abi_problem(lib) is None
     current = native.library_path(native._compiler())
