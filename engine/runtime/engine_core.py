@@ -67,7 +67,6 @@ class EngineCore:
             gc.collect()  # the GGUF reader's memory map, in reference cycles
             release_freed_memory()
         self.weights_info = describe_weights(model, self.quantization)
-        log.info("weights: %s (%s)", self.weights_info["description"], why)
         # vLLM's option names (num_gpu_blocks, num_cpu_blocks) end here; inside, the pools are the
         # device pool and the host pool (a CPU-only engine's "GPU" pool lives in main memory).
         block_bytes = self.model.kv_block_bytes(block_size)
@@ -92,9 +91,9 @@ class EngineCore:
         if cuda_graphs is None:  # on a GPU by default; elsewhere only asked for (the tests do)
             cuda_graphs = self.device.type == "cuda"
         graph_batch = min(max_num_seqs, BUCKETS[-1]) if cuda_graphs else 0
-        # A lone chat's decode step compiled ahead of time (CPU): built once per machine into a
-        # cache, and loaded, in the background from the first step on; the eager path serves until
-        # it is ready. None: $PAGEDCHAT_COMPILE.
+        # The compiled steps (CPU: a lone chat's decode, the flat step): built once per machine into
+        # a cache, and loaded, in the background from the first step on (a server loads built ones
+        # before its first request); the eager path serves until they are ready. None: $PAGEDCHAT_COMPILE.
         self.compiled = None
         if compile_decode is None:
             compile_decode = compiled_steps.enabled_by_default()

@@ -13,6 +13,7 @@ import torch
 from engine.worker.cache_folders import packages_folder
 from engine.worker.compiled.shapes import MAX_CONTEXT
 from engine.worker.loading.model_files import resolve_model
+from engine.worker.models.layers.linear import packed_for_onednn
 
 # What a package's graph is traced from: a change to any of these files rebuilds the packages.
 _LAYERS = tuple(f"engine/worker/models/layers/{name}.py"
@@ -26,6 +27,9 @@ _SOURCES = {"lone": ("engine/worker/compiled/export.py", "engine/worker/compiled
 _PREFIX = {"lone": "decode", "flat": "flat-step"}
 
 
+PROBE_SIZE = 16  # a matrix this small tells whether oneDNN packs the dtype here
+
+
 def package_path(model: str | None, dtype: torch.dtype, kind: str = "lone") -> Path:
     """Where the `kind` package for `model` in `dtype` on this machine lives."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -35,6 +39,8 @@ def package_path(model: str | None, dtype: torch.dtype, kind: str = "lone") -> P
     name = folder.name
     identity = {"model": str(folder), "dtype": str(dtype), "torch": torch.__version__, "isa": str(pick_vec_isa()),
                 "max_context": MAX_CONTEXT,
+                # the flat graph is traced for packed or plain matrices: whichever oneDNN does here
+                "packed": packed_for_onednn(torch.zeros(PROBE_SIZE, PROBE_SIZE, dtype=dtype)) is not None,
                 "kind": kind, "code": [hashlib.sha256((root / name).read_bytes()).hexdigest() for name in _SOURCES[kind]]}
     if not folder.is_dir():  # a hub id: the revision the engine loaded is the cached snapshot's
         with contextlib.suppress(Exception):

@@ -41,15 +41,9 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.weight: torch.Tensor | None = weight
-        self.packed: torch.Tensor | None = None
-        if (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-                and torch.backends.mkldnn.is_available()):
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
-            except RuntimeError:  # oneDNN packs bf16 only for CPUs with AVX-512 (or AVX-NE-CONVERT)
-                return
-            if weight.dtype == torch.bfloat16:
-                self.weight = None  # every batch size is as fast or faster packed
+        self.packed = packed_for_onednn(weight)
+        if self.packed is not None and weight.dtype == torch.bfloat16:
+            self.weight = None  # every batch size is as fast or faster packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and (self.weight is None or x.shape[0] > PLAIN_FP32_ROWS):
@@ -69,6 +63,18 @@ class Linear:
         """What a batch of rows is multiplied by: the packed copy where there is one. A compiled
         step holds this very tensor (see `batch_matmul`), so the engine keeps one copy for both."""
         return self.packed if self.packed is not None else self.weight
+
+
+def packed_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` in oneDNN's layout, or None where oneDNN does not pack it here (not a CPU, not
+    fp32 or bf16, or bf16 on a CPU without AVX-512 or AVX-NE-CONVERT)."""
+    if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
+            or not torch.backends.mkldnn.is_available()):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+    except RuntimeError:
+        return None
 
 
 def batch_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
