@@ -1,6 +1,6 @@
 """Where a served engine's time went, from its step log: run the server with
 PAGEDCHAT_STEP_LOG=FILE (the engine core writes a JSON line per step: start, milliseconds, how it
-ran, decodes and prompt tokens), put load on it, then
+ran, decodes and prompt tokens, the process's CPU time, page faults and context switches), put load on it, then
 
     .venv/bin/python benchmarks/step_log.py FILE [--since-s 0]
 
@@ -8,7 +8,11 @@ Prints, per kind of step (how it ran: the compiled lone, flat or batch graph, ea
 for steps with prompt tokens), how many there were, their time p50/p99/max and share of the wall
 time, and for steps the step-cost model predicted (those with prompt tokens) the p50 and p99 of
 actual over predicted time; the gaps between steps (the core's own time outside them: taking
-requests, sending outputs); and the idle share. Ends with one JSON line.
+requests, sending outputs); the idle share; and the slowest steps with what the process did
+meanwhile (CPU time of all its threads over the wall time, page faults, its threads' involuntary
+context switches): a step whose compute threads wait for one that another process preempted
+shows about one core's CPU time and many preemptions, a step that had more to do shows two
+cores' and few. Ends with one JSON line.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log")
     parser.add_argument("--since-s", type=float, default=0.0, help="skip the log's first seconds (warm-up)")
+    parser.add_argument("--slowest", type=int, default=8, help="list this many of the slowest steps")
     args = parser.parse_args()
     with open(args.log) as file:
         steps = [json.loads(line) for line in file if line.strip()]
@@ -63,7 +68,18 @@ def main() -> None:
     idle = round(sum(g for g in gaps if g >= 5.0) / 1000 / wall, 3)
     print(f"between steps while busy: mean {between['mean_ms']} ms, p99 {between['p99_ms']} ms, "
           f"{100 * between['share']:.1f}% of the time; idle {100 * idle:.1f}%")
-    print(json.dumps({"steps": len(steps), "wall_s": round(wall, 1), "kinds": rows, "between": between, "idle": idle}))
+    slowest = [{"t_s": round(s["t"] - steps[0]["t"], 3), "ms": s["ms"], "path": s["path"], "rows": s["rows"],
+                "prefill": s["prefill"], "cores": round(s["cpu_ms"] / s["ms"], 2) if s["ms"] else None,
+                "faults": s.get("faults"), "preempted": s.get("preempted")}
+               for s in sorted(steps, key=lambda s: -s["ms"])[:args.slowest] if "cpu_ms" in s]
+    if slowest:
+        print(f"slowest steps: {'at s':>8} {'ms':>7} {'kind':>6} {'rows':>5} {'prompt':>7} {'cores':>6} {'faults':>7} "
+              f"{'preempted':>9}")
+        for s in slowest:
+            print(f"{'':>14} {s['t_s']:>8} {s['ms']:>7} {s['path']:>6} {s['rows']:>5} {s['prefill']:>7} {s['cores']:>6} "
+                  f"{s['faults']:>7} {s['preempted']:>9}")
+    print(json.dumps({"steps": len(steps), "wall_s": round(wall, 1), "kinds": rows, "between": between, "idle": idle,
+                      "slowest": slowest}))
 
 
 if __name__ == "__main__":

@@ -150,12 +150,14 @@ def check_rate_row(row):
 def test_serve_script_short(tiny_model_dir):
     """The HTTP load generator against a real `python -m engine.serve` it starts: Poisson arrivals,
     shared system prompts and follow-up turns, streamed through the OpenAI API by its own small
-    HTTP client; then one chat alone."""
+    HTTP client; then one chat alone. Arrivals go on past the duration until the rate has its
+    least count of requests (4 s at 4/s hold about 16)."""
     figures = last_json_line(["benchmarks/serve.py", "--model", tiny_model_dir, "--num-gpu-blocks", "128",
                               "--rates", "4", "--duration-s", "4", "--max-tokens", "8", "--one-chat-tokens", "24"])
     assert figures["protocol"] == "openai" and figures["ttft_slo_s"] == 1.0 and figures["itl_slo_ms"] == 200.0
     [row] = figures["rates"]
     check_rate_row(row)
+    assert figures["min_requests"] == 20 and row["sent"] >= 20
     assert row["output_tokens_from"] == "usage" and row["exact"]  # every reply max_tokens long
     alone = figures["one_chat"]  # EOS ignored: all 24 tokens
     assert alone["ok"] and alone["tokens"] == 24 and alone["tok_s"] > 0 and alone["output_tokens_from"] == "usage"
@@ -201,13 +203,14 @@ def test_serve_comparison_script_runs_the_engine_and_reports_peers_not_set_up(ti
     with what to run, and the JSON line's shape."""
     figures = last_json_line(["benchmarks/peers/serve_compare.py", "--systems", "engine,vllm,llamacpp,llamacpp_q4_1",
                               "--model", tiny_model_dir, "--dtype", "float32", "--rates", "3,1", "--past-limit", "2",
-                              "--duration-s", "1", "--max-tokens", "8", "--one-chat-tokens", "12", "--build", str(tmp_path)])
+                              "--duration-s", "1", "--min-requests", "3", "--max-tokens", "8", "--one-chat-tokens", "12",
+                              "--build", str(tmp_path)])
     assert figures["dtype"] == "float32" and figures["cpu"] and figures["rates_asked"] == [1.0, 3.0]
     engine = figures["systems"]["engine"]
     rows = engine["rates"]
     assert rows and rows[0]["rate"] == 1.0, engine
     for row in rows:
-        assert row["completed"] == row["sent"] > 0 and row["good"] <= row["completed"]
+        assert row["completed"] == row["sent"] >= 3 and row["good"] <= row["completed"]
     by_rate = {row["rate"]: row for row in rows}
     best, first_bad = engine["max_good_rate"], engine["first_unsustained_rate"]
     if best is None:  # not even the first rate: nothing more runs
@@ -259,3 +262,31 @@ def test_quantized_matrix_script_small():
     assert [(r["format"], r["rows"]) for r in figures["results"]] == [("Q4_K", 1), ("Q4_K", 3), ("Q6_K", 1), ("Q6_K", 3)]
     assert all(set(r["ms"]) == {"one_level", "two_levels", "fp32", "bf16"} and min(r["ms"].values()) > 0
                for r in figures["results"])
+
+
+def test_step_log_says_what_the_process_did_during_each_step(tiny_model_dir, tmp_path, monkeypatch):
+    """$PAGEDCHAT_STEP_LOG: a line per step with its CPU time, page faults and preemptions, which
+    benchmarks/step_log.py lists for the slowest steps (a step that waited for a preempted thread
+    shows about one core's CPU time)."""
+    from engine import LLMEngine
+    from engine.core.sampling_params import SamplingParams
+
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("PAGEDCHAT_STEP_LOG", str(log))
+    engine = LLMEngine(tiny_model_dir, num_gpu_blocks=64, num_cpu_blocks=16)
+    for index in range(2):
+        engine.add_request(f"r{index}", [5, 6, 7, 8 + index], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == steps
+    for line in lines:
+        assert line["cpu_ms"] >= 0 and line["faults"] >= 0 and line["switches"] >= 0 and line["preempted"] >= 0
+    assert lines[0]["prefill"] == 8 and lines[-1]["prefill"] == 0
+    figures = last_json_line(["benchmarks/step_log.py", str(log), "--slowest", "3"])
+    assert sum(kind["steps"] for kind in figures["kinds"].values()) == steps
+    slowest = figures["slowest"]
+    assert len(slowest) == 3 and slowest[0]["ms"] == max(line["ms"] for line in lines)
+    assert all(step["cores"] >= 0 and step["preempted"] >= 0 for step in slowest)

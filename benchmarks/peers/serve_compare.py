@@ -21,7 +21,8 @@ compiled steps built or loaded in the background; at most 900 s, then it goes on
 server without the gauge counts as ready). Then one chat alone (300 new tokens, EOS ignored
 where the API takes `ignore_eos`; on the page EOS may end it earlier), its tok/s as the client
 sees it (tokens after the first over the time after the first). Then the climb
-(`serve.climb`): `--duration-s` of arrivals at each rate, in increasing order, until a rate's
+(`serve.climb`): `--duration-s` of arrivals at each rate (and on until `--min-requests`, 20, have
+arrived), in increasing order, until a rate's
 good share (requests with TTFT <= 1 s and their own ITL p99 <= 200 ms, over requests sent) is
 below 95%; then rates between the highest sustained one and that one until they are within
 1.25x of each other (so each system's sustained rate is known to within 25%); then, past the
@@ -261,7 +262,8 @@ def measure(name: str, target: serve.Target, running: Running, report: dict, arg
         if running.process.poll() is not None:
             raise RuntimeError(f"the server exited ({running.process.returncode}): {running.log_tail(600)}")
         row = serve.run_rate(target, rate, args.duration_s, args.max_tokens, args.seed, args.ttft_slo_s,
-                             args.itl_slo_ms, args.request_timeout_s, exact=not args.eos_ends)
+                             args.itl_slo_ms, args.request_timeout_s, exact=not args.eos_ends,
+                             min_requests=args.min_requests)
         report["rates"].append(row)
         print(f"{name}: {serve.table_row(row)}", flush=True)
         return row
@@ -368,8 +370,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def print_report(systems: dict, args: argparse.Namespace) -> dict:
-    print(f"\n{cpu_model()}, {os.cpu_count()} cores, {args.dtype}; {args.duration_s:g} s of arrivals per rate, "
-          f"{'at most' if args.eos_ends else 'exactly'} {args.max_tokens} new tokens (at most on the chat page), "
+    print(f"\n{cpu_model()}, {os.cpu_count()} cores, {args.dtype}; {args.duration_s:g} s of arrivals per rate "
+          f"(at least {args.min_requests} requests), {'at most' if args.eos_ends else 'exactly'} {args.max_tokens} new tokens (at most on the chat page), "
           f"seed {args.seed}; good: TTFT <= {args.ttft_slo_s:g} s and own "
           f"ITL p99 <= {args.itl_slo_ms:g} ms; sustained: good >= {SUSTAINED:.0%} of sent")
     header = (f"{'system':<14} {'rate/s':>6} {'sent':>5} {'done/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
@@ -430,6 +432,8 @@ def main() -> None:
     parser.add_argument("--past-limit", default="1.5,2",
                         help="then these multiples of the highest sustained rate (how gently each degrades)")
     parser.add_argument("--duration-s", type=float, default=30.0, help="arrivals per rate last this long")
+    parser.add_argument("--min-requests", type=int, default=serve.MIN_REQUESTS,
+                        help="and on until this many requests have arrived (so one stall does not decide a rate)")
     parser.add_argument("--dtype", choices=sorted(GGUF), default=None,
                         help="every system's dtype (default: what our engine's auto picks on this CPU)")
     parser.add_argument("--print-dtype", action="store_true", help="print the default dtype and exit (for make)")
@@ -471,7 +475,7 @@ def main() -> None:
             print(f"{name}: missing: {why}", flush=True)
     ratios = print_report(results, args)
     goals = print_goals(results, offline)
-    print(json.dumps({"cpu": cpu_model(), "cores": os.cpu_count(), "dtype": args.dtype, "duration_s": args.duration_s,
+    print(json.dumps({"cpu": cpu_model(), "cores": os.cpu_count(), "dtype": args.dtype, "duration_s": args.duration_s, "min_requests": args.min_requests,
                       "rates_asked": args.rates, "past_limit": args.past_limit, "exact": not args.eos_ends,
                       "max_tokens": args.max_tokens, "seed": args.seed,
                       "ttft_slo_s": args.ttft_slo_s, "itl_slo_ms": args.itl_slo_ms, "sustained_share": SUSTAINED,

@@ -8,6 +8,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import time
 from functools import cached_property
 
@@ -159,6 +160,7 @@ class EngineCore:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
         started = time.perf_counter()
+        usage = resource.getrusage(resource.RUSAGE_SELF) if self._step_log is not None else None
         out = self.scheduler.schedule()
         try:
             sampled = self.runner.execute(out)
@@ -170,7 +172,7 @@ class EngineCore:
         finished = self.scheduler.update(out, sampled)
         seconds = time.perf_counter() - started
         if self._step_log is not None:
-            self._log_step(out, started, seconds)
+            self._log_step(out, started, seconds, usage)
         self.scheduler.observe_step(out, seconds)
         done = {r.request_id: r for r in finished}
         outputs: list[TokenOutput] = []
@@ -188,9 +190,16 @@ class EngineCore:
         self._idle_if_done()
         return outputs
 
-    def _log_step(self, out, started: float, seconds: float) -> None:
+    def _log_step(self, out, started: float, seconds: float, usage: resource.struct_rusage) -> None:
         stats = self.scheduler.last_stats
+        # What the process did meanwhile, to tell a slow step's own work from waiting: CPU time
+        # of all its threads (two busy threads: twice the wall time), page faults (memory taken
+        # from the kernel again) and context switches (involuntary: a thread preempted).
+        now = resource.getrusage(resource.RUSAGE_SELF)
         self._step_log.write(json.dumps({
+            "cpu_ms": round(1000 * (now.ru_utime + now.ru_stime - usage.ru_utime - usage.ru_stime), 1),
+            "faults": now.ru_minflt - usage.ru_minflt + now.ru_majflt - usage.ru_majflt,
+            "switches": now.ru_nvcsw - usage.ru_nvcsw, "preempted": now.ru_nivcsw - usage.ru_nivcsw,
             "t": round(started, 6), "ms": round(1000 * seconds, 3), "path": self.runner.last_path,
             "rows": len(out.scheduled), "decodes": out.num_decode_tokens, "prefill": out.num_prefill_tokens,
             "predicted_ms": round(1000 * self.scheduler.predict_step(out), 3) if out.num_prefill_tokens else None,
