@@ -27,7 +27,9 @@ from engine.worker import package_trust
 from engine.worker.compiled import builds, export, steps
 from engine.worker.compiled.package_key import package_path
 from engine.worker.compiled.shapes import CAPACITY_STEP, KINDS
+from engine.worker.compiled.lone_step import plain_matrix
 from engine.worker.compiled.steps import CompiledSteps
+from engine.worker.models.layers.matvec import MatVec
 from hf_reference import hf_greedy
 from processes import alive, group_members, processes_naming, wait_until
 
@@ -385,7 +387,6 @@ def test_a_hub_models_package_follows_its_revision(packages, tmp_path, monkeypat
 def test_matvec_blocks_multiply_like_linear(rows, bias):
     """`MatVec` keeps a weight in blocks of one cache line of output features (16 in fp32),
     padding the last block: one row times it is `linear`'s result, whatever the row count."""
-    from engine.worker.compiled.lone_step import MatVec
 
     torch.manual_seed(0)
     weight, b = torch.randn(rows, 48), torch.randn(rows) if bias else None
@@ -541,6 +542,22 @@ def test_real_weights_compiled_greedy_equals_transformers(slice_compiled, smol_s
     assert len(flat_calls) == 24
 
 
+def test_once_every_compiled_step_is_in_the_plain_copies_go(slice_compiled):
+    """fp32 keeps a matrix plain beside its packed copy where the plain one streams a few rows
+    faster (layers/linear.py); once both compiled steps run, a step lets the plain ones go (the
+    steps above ran), and an eager step of a few rows, should one come, multiplies by the
+    packed copy to the same result."""
+    model = slice_compiled[0].engine.core.model
+    linears = [model.lm_head, *(getattr(layer, name) for layer in model.layers
+                                for name in ("qkv", "o_proj", "gate_up", "down"))]
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN: the matrices are kept plain only")
+    assert all(linear.weight is None and linear.packed is not None for linear in linears)
+    down = model.layers[0].down
+    x = torch.randn(2, down.in_features)
+    torch.testing.assert_close(down(x), x @ down.packed.to_dense().T, rtol=1e-4, atol=1e-4)
+
+
 # The last test on the fixture's engine: it fills blocks of its cache with random K/V.
 def test_a_sequence_whose_blocks_moved_is_gathered_afresh(slice_compiled):
     """The step keeps one sequence's K/V between calls only while the sequence goes on in the
@@ -685,10 +702,11 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.is_mkldnn == b.is_mkldnn and a.shape == b.shape and pointer(a) == pointer(b)
 
 
-def test_the_flat_package_multiplies_by_the_engines_own_weights(fake_builds, tiny_model_dir, monkeypatch):
-    """A flat package holds no weights: loaded, it is handed every weight the engine's eager path
-    multiplies by (a matmul's packed copy where there is one), the tensors themselves, to keep
-    (user-managed), not copies. The lone package keeps its own, laid out for one row."""
+def test_the_packages_multiply_by_the_engines_own_weights(fake_builds, tiny_model_dir, monkeypatch):
+    """Neither package holds weights. Loaded, the flat package is handed every weight the eager
+    path multiplies by (a matmul's packed copy where there is one), the tensors themselves, to keep
+    (user-managed), not copies; the lone package the engine's embedding and norms themselves, and
+    each matrix laid out for one row (`MatVec` blocks), made from the engine's matrix."""
     from engine.runtime.engine_core import EngineCore
 
     fake_builds.folder.mkdir()
@@ -697,21 +715,33 @@ def test_the_flat_package_multiplies_by_the_engines_own_weights(fake_builds, tin
     core = EngineCore(tiny_model_dir, dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, compile_decode=True)
     core.load_compiled_steps_if_built()
     lone, flat = loaded
-    assert lone.constants is None
-    assert flat.options == {"check_full_update": True, "user_managed": True}
+    assert flat.options == lone.options == {"check_full_update": True, "user_managed": True}
     model = core.model
-    engine_weights = {"embed": model.embed, "norm": model.norm.weight, "lm_head": model.lm_head.batch_weight}
+    shared = {"embed": model.embed, "norm": model.norm.weight}
+    engine_weights = {**shared, "lm_head": model.lm_head.batch_weight}
     for i, layer in enumerate(model.layers):
-        engine_weights.update({f"layers.{i}.input_norm": layer.input_norm.weight,
-                               f"layers.{i}.post_norm": layer.post_norm.weight,
-                               **{f"layers.{i}.{name}": getattr(layer, name).batch_weight
-                                  for name in ("qkv", "o_proj", "gate_up", "down")}})
+        norms = {f"layers.{i}.input_norm": layer.input_norm.weight, f"layers.{i}.post_norm": layer.post_norm.weight}
+        shared.update(norms)
+        engine_weights.update({**norms, **{f"layers.{i}.{name}": getattr(layer, name).batch_weight
+                                           for name in ("qkv", "o_proj", "gate_up", "down")}})
         if layer.qkv.bias is not None:
             engine_weights[f"layers.{i}.qkv_bias"] = layer.qkv.bias
     assert set(flat.constants) == set(engine_weights)
     assert all(same_memory(flat.constants[name], weight) for name, weight in engine_weights.items())
     if torch.backends.mkldnn.is_available():  # fp32: every matmul's weight is oneDNN's packed copy
         assert model.layers[0].qkv.batch_weight.is_mkldnn
+
+    assert all(same_memory(lone.constants[name], weight) for name, weight in shared.items())
+    q_rows = model.shape.q_size
+    for i, layer in enumerate(model.layers):
+        assert torch.equal(lone.constants[f"layers.{i}.q.blocks"], MatVec(plain_matrix(layer.qkv)[:q_rows]).blocks)
+        assert torch.equal(lone.constants[f"layers.{i}.down.blocks"], MatVec(plain_matrix(layer.down)).blocks)
+    head = plain_matrix(model.lm_head)
+    assert torch.equal(lone.constants["head.1.blocks"], MatVec(head[head.shape[0] // 2:]).blocks)
+    linears = [model.lm_head, *(getattr(layer, name) for layer in model.layers
+                                for name in ("qkv", "o_proj", "gate_up", "down"))]
+    matrices = sum(t.numel() for name, t in lone.constants.items() if name.endswith(".blocks"))
+    assert matrices >= sum(linear.out_features * linear.in_features for linear in linears)  # each once, padded
 
 
 def _group_writable(folder: Path) -> None:

@@ -46,9 +46,10 @@ def keep_freed_memory() -> bool:
 
 def release_freed_memory() -> bool:
     """Give the kernel back what is free in glibc's heap now (malloc_trim: the free top, and the
-    whole free pages inside). Once, after loading the weights: with the thresholds above, the
-    load's transients (a GGUF tensor's unpacked quants, a dequantized copy) would otherwise stay
-    resident for the engine's life. False where the C library is not glibc."""
+    whole free pages inside). After loading the weights, and again when weights are let go (the
+    plain copies, once the compiled steps are in): with the thresholds above, the load's
+    transients (a GGUF tensor's unpacked quants, a dequantized copy) and the copies let go would
+    otherwise stay resident for the engine's life. False where the C library is not glibc."""
     try:
         malloc_trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):

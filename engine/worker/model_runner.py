@@ -15,6 +15,7 @@ from engine.worker.compiled.shapes import BATCH_BLOCK_SIZE, MAX_BATCH, MAX_CONTE
 from engine.worker.compiled.steps import CompiledSteps
 from engine.worker.cuda_graphs import CudaGraphs
 from engine.worker.flat_batch import FlatSequence
+from engine.worker.host_allocator import release_freed_memory
 from engine.worker.models.layers import row_attention
 from engine.worker.models.layers.row_attention import row_inputs
 from engine.worker.models.llama import AttentionMetadata, LlamaModel
@@ -64,6 +65,7 @@ class ModelRunner:
         # How the last step ran: "lone" or "flat" (compiled), "graphs" (CUDA), "eager" (torch's ops), "eager-native"
         # (torch's ops, the native row attention) or "native" (a quantized model's layers in native code)
         self.last_path = ""
+        self._plain_dropped = False
 
     def step_paths(self) -> tuple[str, ...]:
         """The ways a step may run here, in the order `execute` tries them (its `last_path` names)."""
@@ -74,6 +76,12 @@ class ModelRunner:
         return (*paths, "eager")
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        if not self._plain_dropped and self.compiled is not None and self.compiled.ready and self.compiled.flat_ready:
+            # Every compiled step is in: the matrices' plain copies go (here, between steps, where
+            # no eager step is reading them), and the memory they held back to the kernel.
+            self._plain_dropped = True
+            if self.model.drop_plain_copies() and self.device.type == "cpu":
+                release_freed_memory()
         for request_id in out.finished_ids:
             self._generators.pop(request_id, None)
         if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:

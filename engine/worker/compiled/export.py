@@ -28,16 +28,15 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
     # Reassociation and fused multiply-adds let the C++ compiler split a loop's running sum over
     # several registers (infinities and NaNs keep their meaning).
     configs = {"cpp.enable_unsafe_math_opt_flag": True, "cpp.enable_floating_point_contract_flag": "fast"}
+    # Each step multiplies by weights the engine holds (FlatStep.constants, LoneStep.constants),
+    # handed over when the package is loaded: nothing is folded, and the package holds no weights.
+    configs.update({"freezing": False, "aot_inductor.package_constants_in_so": False})
     if kind == "lone":
-        # A lone row's weights are frozen constants the compiler folds into the graph, in loops over
-        # blocks laid out for them (`MatVec` in engine/worker/models/layers/matvec.py). An input
-        # read by two loops (the q and k/v projections' normalized input, the rotated query) is
-        # computed once into a buffer, not again for every block of weights (`realize_reads_threshold`).
-        configs.update({"freezing": True, "cpp.weight_prepack": False, "realize_reads_threshold": 1})
-    else:
-        # The flat step multiplies by the engine's own weights (FlatStep.constants), handed over
-        # when the package is loaded: nothing is folded, and the package holds no weights.
-        configs.update({"freezing": False, "aot_inductor.package_constants_in_so": False})
+        # A lone row's loops run over blocks laid out for them (`MatVec` in
+        # engine/worker/models/layers/matvec.py), as they are. An input read by two loops (the q
+        # and k/v projections' normalized input, the rotated query) is computed once into a
+        # buffer, not again for every block of weights (`realize_reads_threshold`).
+        configs.update({"cpp.weight_prepack": False, "realize_reads_threshold": 1})
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_path(out, os.getpid())
     with torch.no_grad():
@@ -57,7 +56,7 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
 def _export_lone(checkpoint, dtype: torch.dtype):
     from torch.export import Dim
 
-    step = LoneStep(checkpoint, dtype).eval()
+    step = LoneStep(LlamaModel(checkpoint, dtype, torch.device("cpu"))).eval()
     layers, kv_heads, dim = len(step.layers), step.shape.num_kv_heads, step.shape.head_dim
     example = (torch.zeros(1, dtype=torch.int64), torch.ones(1, dim, dtype=dtype), torch.zeros(1, dim, dtype=dtype),
                torch.zeros(layers, 2, kv_heads, 2 * CAPACITY_STEP, dim, dtype=dtype), torch.tensor(1))

@@ -14,61 +14,66 @@ fp32 where eager torch rounds after each op: the same numerics up to rounding.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from engine.worker.loading.checkpoint import Checkpoint, as_checkpoint
 from engine.worker.models.layers.activation import silu_and_mul
 from engine.worker.models.layers.attention import attend
+from engine.worker.models.layers.linear import Linear
 from engine.worker.models.layers.matvec import MatVec
 from engine.worker.models.layers.rms_norm import rms_norm
 from engine.worker.models.layers.rotary import rotate
-from engine.worker.models.layers.shape import DecoderShape
-from engine.worker.models.weights import DecoderWeights, frozen
+from engine.worker.models.weights import frozen
+
+if TYPE_CHECKING:
+    from engine.worker.models.llama import LlamaModel
 
 
-class FrozenDecoder(torch.nn.Module):
-    """The decoder's weights as frozen parameters (what the compiler folds into its graph as
-    constants) and its RMSNorm; the decode graphs below are written on it."""
+class LoneStep(torch.nn.Module):
+    """The decoder's step for one row, on the engine's weights: the embedding and the norms are
+    the engine's tensors themselves; each weight matmul is a `MatVec`, its matrix laid out anew
+    for one row (from the engine's plain matrix, or from its packed one where that is all it
+    keeps). The compiled package is built without weights and handed these when loaded
+    (`constants`), so the process holds the one-row layout once and the package none.
 
-    def __init__(self, source: Checkpoint | torch.nn.Module, dtype: torch.dtype) -> None:
-        """`source`: the model's checkpoint, or a transformers model to take it from."""
+    The q and the k/v projections are two `MatVec`s, as are the gate and the up projections and
+    the two halves of the output head: two consumers of the same normalized input make the
+    compiler (with `realize_reads_threshold=1`, see engine/worker/compiled/export.py) compute it
+    once into a buffer rather than again for every block of weights, and two equal halves fuse
+    into one loop that streams both."""
+
+    def __init__(self, decoder: LlamaModel) -> None:
         super().__init__()
-        checkpoint = as_checkpoint(source)
-        self.shape, self.dtype = DecoderShape.of(checkpoint.config), dtype
-        weights = DecoderWeights.of(checkpoint, dtype, torch.device("cpu"))
-        self.embed, self.norm = frozen(weights.embed), frozen(weights.norm)
-        self.lm_head = self.embed if weights.lm_head is weights.embed else frozen(weights.lm_head)
-        self.layers = torch.nn.ModuleList()
-        for w in weights.layers:
-            layer = torch.nn.Module()
-            for name in ("input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down"):
-                setattr(layer, name, frozen(getattr(w, name)))
-            self.layers.append(layer)
-
-
-class LoneStep(FrozenDecoder):
-    """Every weight matmul is a `MatVec`. The q and the k/v projections are two of them, as are
-    the gate and the up projections and the two halves of the output head: two consumers of the
-    same normalized input make the compiler (with `realize_reads_threshold=1`, see
-    engine/worker/compiled/) compute it once into a buffer rather than again for every
-    block of weights, and two equal halves fuse into one loop that streams both."""
-
-    def __init__(self, source: Checkpoint | torch.nn.Module, dtype: torch.dtype) -> None:
-        super().__init__(source, dtype)
+        self.shape, self.dtype = decoder.shape, decoder.dtype
+        linears = [decoder.lm_head, *(getattr(layer, name) for layer in decoder.layers
+                                      for name in ("qkv", "o_proj", "gate_up", "down"))]
+        if not all(isinstance(linear, Linear) for linear in linears):
+            raise ValueError("the lone step multiplies by plain or packed matrices, not quantized ones")
+        self.embed, self.norm = frozen(decoder.embed), frozen(decoder.norm.weight)
         q_rows = self.shape.q_size
-        for layer in self.layers:
-            plain = {name: getattr(layer, name) for name in ("qkv", "qkv_bias", "o_proj", "gate_up", "down")}
-            for name in plain:
-                delattr(layer, name)
-            qkv, bias, half = plain["qkv"], plain["qkv_bias"], plain["gate_up"].shape[0] // 2
-            layer.q = MatVec(qkv[:q_rows], None if bias is None else bias[:q_rows])
-            layer.kv = MatVec(qkv[q_rows:], None if bias is None else bias[q_rows:])
-            layer.gate, layer.up = MatVec(plain["gate_up"][:half]), MatVec(plain["gate_up"][half:])
-            layer.o_proj, layer.down = MatVec(plain["o_proj"]), MatVec(plain["down"])
-        half = self.lm_head.shape[0] // 2
-        self.head = torch.nn.ModuleList([MatVec(self.lm_head[:half]), MatVec(self.lm_head[half:])])
-        del self.lm_head
+        self.layers = torch.nn.ModuleList()
+        for source in decoder.layers:
+            layer = torch.nn.Module()
+            layer.input_norm, layer.post_norm = frozen(source.input_norm.weight), frozen(source.post_norm.weight)
+            qkv, bias = plain_matrix(source.qkv), source.qkv.bias
+            layer.q = MatVec(qkv[:q_rows], None if bias is None else bias[:q_rows].contiguous())
+            layer.kv = MatVec(qkv[q_rows:], None if bias is None else bias[q_rows:].contiguous())
+            del qkv
+            gate_up = plain_matrix(source.gate_up)
+            half = gate_up.shape[0] // 2
+            layer.gate, layer.up = MatVec(gate_up[:half]), MatVec(gate_up[half:])
+            del gate_up
+            layer.o_proj, layer.down = MatVec(plain_matrix(source.o_proj)), MatVec(plain_matrix(source.down))
+            self.layers.append(layer)
+        head = plain_matrix(decoder.lm_head)
+        half = head.shape[0] // 2
+        self.head = torch.nn.ModuleList([MatVec(head[:half]), MatVec(head[half:])])
+
+    def constants(self) -> dict[str, torch.Tensor]:
+        """The weights by the names a compiled package of this step asks for them."""
+        return {name: parameter.data for name, parameter in self.named_parameters()}
 
     def forward(self, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
                 length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,3 +111,9 @@ class LoneStep(FrozenDecoder):
         x = rms_norm(hidden, self.norm, eps)
         logits = torch.cat([part(x) for part in self.head], -1).float()
         return logits, torch.stack(new_kv).view(len(self.layers), 2, kv_heads, dim), logits.argmax(-1)
+
+
+def plain_matrix(linear: Linear) -> torch.Tensor:
+    """The `[out, in]` matrix of `linear`: its plain weight, or its packed one unpacked (a
+    transient copy, while the one-row layout is made from it)."""
+    return linear.weight if linear.weight is not None else linear.packed.to_dense()

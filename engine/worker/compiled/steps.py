@@ -5,11 +5,11 @@ What a single user waits for on a CPU is one sequence's decode step, and eager t
 of it between the weight matmuls: hundreds of small ops a step, each microseconds of dispatch.
 `LoneStep` (engine/worker/compiled/lone_step.py) compiled ahead of time runs the whole step as
 one C++ call: the small ops fused into loops, the weight matmuls as loops over weights laid out
-for one row (`MatVec`), holding its own copy of the weights in that layout. Every other step, a
-batch of decodes with or without prompt chunks beside it (each arrival's new turn), runs
+for one row (`MatVec`), made from the engine's weights when the package loads. Every other step,
+a batch of decodes with or without prompt chunks beside it (each arrival's new turn), runs
 `FlatStep` (engine/worker/compiled/flat_step.py) the same way, every new token a row of the same
-matmuls, reading past K/V from the paged cache and multiplying by the engine's own weights
-(handed to the package when it loads: it holds none).
+matmuls, reading past K/V from the paged cache and multiplying by the engine's own weights. Both
+packages are built without weights and handed them when they load: they hold none.
 
 A missing package is built by a supervised process at a low priority (builds.py), once, in
 minutes; a thread loads it, and the engine decodes eagerly until it is ready. Loading a package
@@ -34,6 +34,7 @@ from engine.worker.compiled.package_key import package_path, retired_packages
 from engine.worker.compiled.shapes import CAPACITY_STEP, DTYPES, KINDS
 from engine.worker.flat_batch import FlatSequence, flat_batch
 from engine.worker.compiled.flat_step import FlatStep
+from engine.worker.compiled.lone_step import LoneStep
 from engine.worker.models.llama import LlamaModel
 from engine.worker.package_trust import digest_path, digest_problem, folder_problem
 
@@ -82,6 +83,7 @@ class CompiledSteps:
         self.paths: dict[str, Path] = {}  # by kind, found in the background (inductor's ISA check compiles a probe)
         self.error: str | None = None  # why a step is unavailable (the other may still be ready)
         self._runs: dict[str, object] = {}  # by kind, once loaded
+        self._constants: dict[str, dict[str, torch.Tensor]] = {}  # by kind: the weights its package runs on
         self._buffer: torch.Tensor | None = None  # [layers, 2, kv_heads, capacity, head_dim]
         self._blocks: list[int] = []
         self._filled = 0
@@ -173,8 +175,11 @@ class CompiledSteps:
 
     def _load(self, path: Path, kind: str):
         run = torch._inductor.aoti_load_package(str(path))
-        if kind == "flat":  # the engine's weights themselves, not a copy: they outlive the package
-            run.load_constants(FlatStep(self.decoder).constants(), check_full_update=True, user_managed=True)
+        # The engine's weights themselves (the flat step's), or the lone step's one-row layout of
+        # them, made here: kept by this object as long as the package runs on them.
+        step = FlatStep(self.decoder) if kind == "flat" else LoneStep(self.decoder)
+        self._constants[kind] = step.constants()
+        run.load_constants(self._constants[kind], check_full_update=True, user_managed=True)
         return run
 
     def forget(self) -> None:

@@ -95,8 +95,11 @@ def read_folder(path: str | Path, dtype: torch.dtype) -> Checkpoint | None:
 
     parameters = {}
     for file in files:
+        # Copies, not views: the tensors of a file are views into one mapping of all of it, whose
+        # pages, once read, stay resident as long as any one of them lives (a norm's few bytes
+        # kept the whole file resident beside the engine's own layouts of its matrices).
         for name, tensor in load_file(file).items():
-            parameters[name] = tensor if tensor.dtype == dtype else tensor.to(dtype)
+            parameters[name] = tensor.clone() if tensor.dtype == dtype else tensor.to(dtype)
     tied = bool(config.tie_word_embeddings)
     if tied:
         parameters.pop("lm_head.weight", None)

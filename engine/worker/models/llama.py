@@ -104,6 +104,21 @@ class LlamaModel:
         self.row_attention = None if self.quantized else RowAttention.of(dtype, device, shape.num_kv_heads)
         self._kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
+    def drop_plain_copies(self) -> int:
+        """Keep only the packed copy of every matrix held both plain and packed (fp32 on a CPU
+        whose few-row path streams the plain one faster: see layers/linear.py). Once the compiled
+        steps run every step of one or a few rows, the plain copies serve nothing but a rare eager
+        step, which the packed ones serve too. Returns the bytes let go (the caller gives them back
+        to the kernel: host_allocator.release_freed_memory)."""
+        dropped = 0
+        for linear in [self.lm_head, *(part for layer in self.layers
+                                       for part in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))]:
+            if isinstance(linear, Linear) and linear.weight is not None and linear.packed is not None:
+                if linear.weight is not self.embed:  # a tied head's plain matrix is the embedding: kept
+                    dropped += linear.weight.numel() * linear.weight.element_size()
+                linear.weight = None
+        return dropped
+
     @property
     def num_parameters(self) -> int:
         """Every weight counted once (a tied output embedding is the input embedding)."""
