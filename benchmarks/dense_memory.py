@@ -4,11 +4,13 @@ loaded and one reply done, against the bytes of its weights in the dtype it runs
 
 Each case runs in a fresh process: RSS is sampled every 20 ms on a thread from just after `import
 engine`; the engine is built with small KV pools (64 + 16 blocks, so the pools are a few MB and
-are subtracted anyway), its compiled steps are waited for (built once per machine by a
-subprocess, which is not counted, then loaded into this process), one 32-token reply is
+are subtracted anyway), its compiled steps are loaded before any request as a server's engine
+core loads them (built beforehand by processes of their own, not counted), one 32-token reply is
 generated, and `malloc_trim` returns the allocator's free pages. Reported, less the pools: the
 peak growth and the resident growth after the reply, each over the weights' bytes, and where the
-resident memory is (anonymous, or file pages mapped: the safetensors file, a compiled package).
+resident memory is (anonymous, or file pages mapped: the safetensors file, a compiled package);
+then the same less the runtime (the same measure of an engine on a 2-layer, 64-wide random Llama
+with its compiled steps: Python, torch, the compiler's runtime, the engine's libraries).
 
     .venv/bin/python benchmarks/dense_memory.py [--model FOLDER] [--dtype float32,bfloat16] [--no-compile]
 
@@ -76,7 +78,10 @@ def measure_case(model: str | None, dtype: str, compile_decode: bool) -> dict:
     core = llm.engine.core
     compiled = None
     if core.compiled is not None:
-        compiled = core.compiled.wait(timeout=3600)
+        core.load_compiled_steps_if_built()  # as a server's core does before its first request
+        compiled = core.compiled.ready and core.compiled.flat_ready
+        if not compiled:
+            raise RuntimeError(f"the compiled steps did not load: {core.compiled.error}")
     loaded = _rss()
     llm.generate([list(range(1000, 1040))], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -123,6 +128,10 @@ def _parameters(model) -> list:
 
 
 def run_case(model: str | None, dtype: str, compile_decode: bool) -> dict:
+    if compile_decode:  # built beforehand, by processes of their own (what a build costs is not counted)
+        for kind in ("lone", "flat"):
+            subprocess.run([sys.executable, "-m", "engine.worker.compiled", "--kind", kind, "--dtype", dtype,
+                            *(["--model", model] if model else [])], check=True, capture_output=True, timeout=7200)
     code = (f"import json, sys; sys.path[0] = {str(Path(__file__).resolve().parents[1])!r}; "
             "from benchmarks.dense_memory import measure_case; "
             f"print(json.dumps(measure_case({model!r}, {dtype!r}, {compile_decode!r})))")
@@ -130,6 +139,20 @@ def run_case(model: str | None, dtype: str, compile_decode: bool) -> dict:
     if result.returncode != 0:
         raise RuntimeError(f"{model} ({dtype}): {result.stderr[-2000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def runtime_model() -> Path:
+    """The 2-layer random Llama, made once and kept (its compiled packages are keyed by its files)."""
+    from benchmarks.random_llama import build_random_llama
+    from engine.worker.cache_folders import cache_dir
+
+    folder = cache_dir() / "bench-models" / "random-llama-tiny"
+    if not (folder / "config.json").exists():
+        import torch
+
+        from engine.worker.loading.model_loader import load_tokenizer
+        build_random_llama("random-llama-tiny", load_tokenizer(None), torch.float32, str(folder))
+    return folder
 
 
 def main() -> None:
@@ -140,15 +163,27 @@ def main() -> None:
     args = parser.parse_args()
     cpu = cpu_model()
     cases = {dtype: run_case(args.model, dtype, not args.no_compile) for dtype in args.dtype.split(",")}
+    # The runtime: the same engine on a 2-layer, 64-wide random Llama (weights of a few MB), its
+    # compiled steps too: Python, torch, the compiler's runtime, the engine and its libraries.
+    tiny = runtime_model()
+    runtime = {dtype: run_case(str(tiny), dtype, not args.no_compile) for dtype in cases}
+    for dtype, case in cases.items():
+        case["runtime"] = runtime[dtype]["resident_growth"]
+        case["resident_less_runtime"] = case["resident_growth"] - case["runtime"]
+        case["peak_less_runtime"] = case["peak_growth"] - case["runtime"]
     print(f"Memory of an engine on {args.model or 'the embedded model'}, 64 + 16 KV blocks, on {cpu}")
-    print("| dtype | weights | peak growth | after load | after a reply | compiled steps | largest mappings |")
-    print("|---|---|---|---|---|---|---|")
+    print("| dtype | weights | peak growth | after load | after a reply | runtime | peak / resident less runtime "
+          "| largest mappings |")
+    print("|---|---|---|---|---|---|---|---|")
     for dtype, case in cases.items():
         w = case["weights_bytes"]
         mapped = ", ".join(f"{name} {size / MiB:.0f}" for name, size in case["mapped_top"].items())
         print(f"| {dtype} | {w / MiB:.0f} MiB | {case['peak_growth'] / MiB:.0f} MiB ({case['peak_growth'] / w:.2f}x) "
               f"| {case['loaded_growth'] / MiB:.0f} MiB | {case['resident_growth'] / MiB:.0f} MiB "
-              f"({case['resident_growth'] / w:.2f}x) | {case['compiled_state'][:40]} | {mapped} |")
+              f"({case['resident_growth'] / w:.2f}x) | {case['runtime'] / MiB:.0f} MiB "
+              f"| {case['peak_less_runtime'] / w:.2f}x / {case['resident_less_runtime'] / w:.2f}x | {mapped} |")
+    print(f"pools ({next(iter(cases.values()))['pools'] / MiB:.0f} MiB) subtracted everywhere; compiled steps: "
+          f"{next(iter(cases.values()))['compiled_state']}")
     print(json.dumps({"benchmark": "dense_memory", "cpu": cpu, "model": args.model, "cases": cases}))
 
 

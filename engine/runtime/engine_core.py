@@ -254,8 +254,10 @@ class EngineCore:
         """For a server, before it takes requests: load the compiled steps now when they are built
         already. Loading a package holds the GIL for seconds; started by the first step, it
         stalled the first chats' streams by up to 2 s. A build (minutes) still starts with the
-        first step, the eager path serving meanwhile."""
+        first step, the eager path serving meanwhile. The matrices' plain copies go first, so that
+        the lone step's layout of them is made while the process holds two layouts, not three."""
         if self.compiled is not None and not self.compiled.started and self.compiled.all_built():
+            self.runner.release_plain_copies()
             self.compiled.wait(timeout_s)
 
     def compiled_pending(self) -> bool:

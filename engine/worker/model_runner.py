@@ -67,6 +67,15 @@ class ModelRunner:
         self.last_path = ""
         self._plain_dropped = False
 
+    def release_plain_copies(self) -> None:
+        """Let the matrices' plain copies go (LlamaModel.drop_plain_copies) and give their memory
+        back to the kernel: once every compiled step is in, or before they load (a server, with
+        them built). Only between steps: an eager step may be reading them."""
+        if not self._plain_dropped:
+            self._plain_dropped = True
+            if self.model.drop_plain_copies() and self.device.type == "cpu":
+                release_freed_memory()
+
     def step_paths(self) -> tuple[str, ...]:
         """The ways a step may run here, in the order `execute` tries them (its `last_path` names)."""
         paths = ["graphs"] if self.graphs is not None else []
@@ -77,11 +86,7 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         if not self._plain_dropped and self.compiled is not None and self.compiled.ready and self.compiled.flat_ready:
-            # Every compiled step is in: the matrices' plain copies go (here, between steps, where
-            # no eager step is reading them), and the memory they held back to the kernel.
-            self._plain_dropped = True
-            if self.model.drop_plain_copies() and self.device.type == "cpu":
-                release_freed_memory()
+            self.release_plain_copies()  # here, between steps, where no eager step reads them
         for request_id in out.finished_ids:
             self._generators.pop(request_id, None)
         if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:

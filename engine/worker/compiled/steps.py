@@ -33,6 +33,7 @@ from engine.worker.compiled.builds import build_in_subprocess, sweep_leftovers
 from engine.worker.compiled.package_key import package_path, retired_packages
 from engine.worker.compiled.shapes import CAPACITY_STEP, DTYPES, KINDS
 from engine.worker.flat_batch import FlatSequence, flat_batch
+from engine.worker.host_allocator import release_freed_memory
 from engine.worker.compiled.flat_step import FlatStep
 from engine.worker.compiled.lone_step import LoneStep
 from engine.worker.models.llama import LlamaModel
@@ -172,6 +173,9 @@ class CompiledSteps:
             except Exception as error:  # the eager path goes on serving
                 self.error = f"{kind} step: {type(error).__name__}: {error}"
                 log.warning("compiled %s step unavailable, running eagerly: %s", kind, self.error)
+        # What loading freed (the matrices unpacked for the one-row layout, the packages' own
+        # loading) back to the kernel: the engine keeps freed memory otherwise (host_allocator.py).
+        release_freed_memory()
 
     def _load(self, path: Path, kind: str):
         run = torch._inductor.aoti_load_package(str(path))
