@@ -290,3 +290,15 @@ def test_step_log_says_what_the_process_did_during_each_step(tiny_model_dir, tmp
     slowest = figures["slowest"]
     assert len(slowest) == 3 and slowest[0]["ms"] == max(line["ms"] for line in lines)
     assert all(step["cores"] >= 0 and step["preempted"] >= 0 for step in slowest)
+
+
+def test_dense_memory_script(tiny_model_dir):
+    """A dense engine's memory growth over its weights, beside the runtime's (a 2-layer model
+    measured alike), each case in a fresh process."""
+    figures = last_json_line(["benchmarks/dense_memory.py", "--model", tiny_model_dir, "--dtype", "float32",
+                              "--no-compile"])
+    case = figures["cases"]["float32"]
+    assert case["weights_bytes"] == case["parameters"] * 4 > 0 and case["pools"] > 0
+    assert case["peak_growth"] >= case["resident_growth"] > 0 and case["runtime"] > 0
+    assert case["resident_less_runtime"] == case["resident_growth"] - case["runtime"]
+    assert case["compiled"] is None and case["compiled_state"] == "off"
