@@ -99,6 +99,23 @@ def test_a_sharded_folder_reads_every_shard(tiny_model_dir, tmp_path):
     assert_same(read, of_transformers(load_hf_model(tiny_model_dir)[0]))
 
 
+def test_a_model_built_consuming_its_checkpoint_computes_alike(tiny_model_dir):
+    """`consume`: the matrices leave the checkpoint as the decoder lays them out (so a
+    concatenated one is not held beside its parts); the decoder is the same."""
+    from engine.worker.models.llama import LlamaModel
+
+    kept, consumed = read_folder(tiny_model_dir, torch.float32), read_folder(tiny_model_dir, torch.float32)
+    reference = LlamaModel(kept, torch.float32, torch.device("cpu"))
+    model = LlamaModel(consumed, torch.float32, torch.device("cpu"), consume=True)
+    assert not any("_proj." in name for name in consumed.parameters)
+    assert any("_proj." in name for name in kept.parameters)
+    torch.manual_seed(0)
+    for ours, theirs in zip(model.layers, reference.layers):
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            x = torch.randn(3, getattr(ours, name).in_features)
+            torch.testing.assert_close(getattr(ours, name)(x), getattr(theirs, name)(x))
+
+
 @pytest.mark.parametrize("change", ["another family", "yarn scaling", "no vocab_size", "a missing weight"])
 def test_what_it_does_not_read_goes_through_transformers(tiny_model_dir, tmp_path, change):
     """read_folder declines (None) rather than guess, and load_checkpoint then takes the

@@ -61,7 +61,7 @@ class EngineCore:
         checkpoint = load_checkpoint(model, self.dtype, quantized=self.quantization == "native")
         self._model = model
         self.model_name = model or os.environ.get("MODEL") or DEFAULT_MODEL_NAME
-        self.model = LlamaModel(checkpoint, self.dtype, self.device)
+        self.model = LlamaModel(checkpoint, self.dtype, self.device, consume=True)
         hf_config = checkpoint.config
         del checkpoint
         if self.device.type == "cpu":

@@ -56,7 +56,7 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
 def _export_lone(checkpoint, dtype: torch.dtype):
     from torch.export import Dim
 
-    step = LoneStep(LlamaModel(checkpoint, dtype, torch.device("cpu"))).eval()
+    step = LoneStep(LlamaModel(checkpoint, dtype, torch.device("cpu"), consume=True)).eval()
     layers, kv_heads, dim = len(step.layers), step.shape.num_kv_heads, step.shape.head_dim
     example = (torch.zeros(1, dtype=torch.int64), torch.ones(1, dim, dtype=dtype), torch.zeros(1, dim, dtype=dtype),
                torch.zeros(layers, 2, kv_heads, 2 * CAPACITY_STEP, dim, dtype=dtype), torch.tensor(1))
@@ -68,7 +68,7 @@ def _export_lone(checkpoint, dtype: torch.dtype):
 def _export_flat(checkpoint, dtype: torch.dtype):
     from torch.export import Dim
 
-    step = FlatStep(LlamaModel(checkpoint, dtype, torch.device("cpu"))).eval()
+    step = FlatStep(LlamaModel(checkpoint, dtype, torch.device("cpu"), consume=True)).eval()
     layers, kv_heads, dim, bs = len(step.layers), step.shape.num_kv_heads, step.shape.head_dim, BATCH_BLOCK_SIZE
     # any sizes, each its own: every one is dynamic
     decodes, prompt_tokens, chunks, width, decode_blocks, prompt_blocks, shared, sampled = 3, 7, 2, 5, 4, 6, 2, 4

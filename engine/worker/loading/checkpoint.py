@@ -2,8 +2,8 @@
 its rotary frequencies.
 
 A Llama folder of safetensors (the embedded default's converted folder, a transformers save, a
-hub snapshot on disk) is read directly: the config from config.json, the tensors with
-`safetensors`, the rotary frequencies computed as transformers computes them; a Llama GGUF file
+hub snapshot on disk) is read directly: the config from config.json, the tensors into memory of
+their own (safetensors_file.py), the rotary frequencies computed as transformers computes them; a Llama GGUF file
 likewise (gguf_file.read_checkpoint, with its cached folder's config.json). Building the
 transformers model instead imports transformers' modelling stack, which pulls in torch._dynamo,
 triton and torch.distributed.tensor: ~3-5 s of CPU on a 2-core EPYC at every start of an engine,
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from engine.worker.loading.safetensors_file import read_tensors
 from engine.worker.quantized.matrix import QuantizedMatrix
 
 # The rotary scalings computed here; any other goes through transformers.
@@ -91,15 +92,9 @@ def read_folder(path: str | Path, dtype: torch.dtype) -> Checkpoint | None:
     files = _safetensors_files(folder)
     if files is None:
         return None
-    from safetensors.torch import load_file
-
     parameters = {}
     for file in files:
-        # Copies, not views: the tensors of a file are views into one mapping of all of it, whose
-        # pages, once read, stay resident as long as any one of them lives (a norm's few bytes
-        # kept the whole file resident beside the engine's own layouts of its matrices).
-        for name, tensor in load_file(file).items():
-            parameters[name] = tensor.clone() if tensor.dtype == dtype else tensor.to(dtype)
+        parameters.update(read_tensors(file, dtype))
     tied = bool(config.tie_word_embeddings)
     if tied:
         parameters.pop("lm_head.weight", None)

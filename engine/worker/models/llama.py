@@ -71,21 +71,26 @@ def linear(weight: Weight, bias: torch.Tensor | None = None) -> Linear | Quantiz
 
 
 class LlamaModel:
-    def __init__(self, source: Checkpoint | torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-        """`source`: the model's checkpoint, or a transformers model to take it from."""
+    def __init__(self, source: Checkpoint | torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                 consume: bool = False) -> None:
+        """`source`: the model's checkpoint, or a transformers model to take it from. `consume`:
+        take the weights out of the checkpoint as they are laid out (DecoderWeights.of), for a
+        caller that has no other use for them: the load then holds each weight about once."""
         checkpoint = as_checkpoint(source)
         self.shape = shape = DecoderShape.of(checkpoint.config)
         self.dtype, self.device = dtype, device
 
-        weights = DecoderWeights.of(checkpoint, dtype, device)
+        weights = DecoderWeights.of(checkpoint, dtype, device, consume=consume)
         self.embed = weights.embed
         self.norm = RMSNorm(weights.norm, shape.eps)
         self.tied = weights.tied
         self.lm_head = linear(weights.lm_head)
-        self.layers = [LlamaLayer(input_norm=RMSNorm(w.input_norm, shape.eps), qkv=linear(w.qkv, w.qkv_bias),
-                                  o_proj=linear(w.o_proj), post_norm=RMSNorm(w.post_norm, shape.eps),
-                                  gate_up=linear(w.gate_up), down=linear(w.down))
-                       for w in weights.layers]
+        self.layers = []
+        for index, w in enumerate(weights.layers):
+            self.layers.append(LlamaLayer(input_norm=RMSNorm(w.input_norm, shape.eps), qkv=linear(w.qkv, w.qkv_bias),
+                                          o_proj=linear(w.o_proj), post_norm=RMSNorm(w.post_norm, shape.eps),
+                                          gate_up=linear(w.gate_up), down=linear(w.down)))
+            weights.layers[index] = None  # a matrix kept only packed is freed now, not after the last layer
         # Whether a GGUF file's quantized matrices were kept quantized (gguf_file.load_model).
         self.quantized = isinstance(self.embed, QuantizedMatrix) or any(
             isinstance(part, QuantizedLinear) for layer in self.layers for part in vars(layer).values())

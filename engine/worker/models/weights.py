@@ -48,8 +48,12 @@ class DecoderWeights:
         return self.lm_head is self.embed or (isinstance(self.lm_head, list) and self.lm_head[0] is self.embed)
 
     @classmethod
-    def of(cls, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> DecoderWeights:
+    def of(cls, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
+           consume: bool = False) -> DecoderWeights:
+        """`consume`: take each weight out of the checkpoint as it is laid out, so that a matrix
+        concatenated with others is held once, not beside its parts, while the rest load."""
         quantized, parameters = checkpoint.quantized, checkpoint.parameters
+        get = parameters.pop if consume else parameters.get
 
         def take(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device=device, dtype=dtype).contiguous()
@@ -59,10 +63,10 @@ class DecoderWeights:
             weights = [f"{name}.weight" for name in names]
             if all(weight in quantized for weight in weights):
                 return [quantized[weight] for weight in weights]
-            return take(torch.cat([quantized[w].dequantize() if w in quantized else parameters[w] for w in weights]))
+            return take(torch.cat([quantized[w].dequantize() if w in quantized else get(w) for w in weights]))
 
         def bias(*names: str) -> torch.Tensor | None:
-            biases = [parameters.get(f"{name}.bias") for name in names]
+            biases = [get(f"{name}.bias", None) for name in names]
             return take(torch.cat(biases)) if biases[0] is not None else None
 
         embed = quantized.get("model.embed_tokens.weight")
