@@ -302,3 +302,22 @@ def test_dense_memory_script(tiny_model_dir):
     assert case["peak_growth"] >= case["resident_growth"] > 0 and case["runtime"] > 0
     assert case["resident_less_runtime"] == case["resident_growth"] - case["runtime"]
     assert case["compiled"] is None and case["compiled_state"] == "off"
+
+
+def test_llama_cpp_is_built_without_amx_where_the_cpu_has_it(tmp_path):
+    """llama.cpp's native build dies with SIGILL in its AMX kernel: on a CPU with AMX the peers'
+    build names the vector extensions the CPU has, AMX off; elsewhere it builds native."""
+    import subprocess
+
+    def flags(cpu_flags: str) -> list[str]:
+        cpuinfo = tmp_path / "cpuinfo"
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {cpu_flags}\n")
+        done = subprocess.run(["bash", str(ROOT / "benchmarks/peers/llama_cpp_isa.sh"), str(cpuinfo)],
+                              capture_output=True, text=True, check=True)
+        return done.stdout.split()
+
+    assert flags("fpu avx avx2 fma f16c avx512f avx512_vnni") == ["-DGGML_NATIVE=ON"]
+    amx = flags("fpu avx avx2 fma f16c avx512f avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16")
+    assert "-DGGML_NATIVE=OFF" in amx and "-DGGML_AMX_INT8=OFF" in amx and "-DGGML_AMX_TILE=OFF" in amx
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AVX2=ON"} <= set(amx)
+    assert "-DGGML_AVX512_VBMI=ON" not in amx  # only what the CPU has

@@ -23,8 +23,10 @@ SRC="$BUILD/llama_cpp_python/vendor/llama.cpp"
 # llama-server for the app's remote-backend comparison; llama-batched-bench for `make bench-peers`
 # (all chats in one context, the shared prompt decoded once); llama-quantize for the 1B benchmark
 # GGUFs (benchmarks/peers/gguf_models.py: Q8_0 and Q4_K_M from the converter's f32 file).
+# Built for this CPU; on one with AMX, for its vector extensions without AMX (llama_cpp_isa.sh).
+read -r -a ISA <<< "$(bash "$ROOT/benchmarks/peers/llama_cpp_isa.sh")"
 if [ ! -x "$BUILD/llama-server" ] || [ ! -x "$BUILD/llama-batched-bench" ] || [ ! -x "$BUILD/llama-quantize" ]; then
-    cmake -S "$SRC" -B "$BUILD/cmake" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    cmake -S "$SRC" -B "$BUILD/cmake" -DCMAKE_BUILD_TYPE=Release "${ISA[@]}" -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
     cmake --build "$BUILD/cmake" --target llama-server llama-batched-bench llama-quantize -j "$(nproc)" >/dev/null
     cp "$BUILD/cmake/bin/llama-server" "$BUILD/cmake/bin/llama-batched-bench" "$BUILD/cmake/bin/llama-quantize" "$BUILD/"
