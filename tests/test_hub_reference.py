@@ -199,6 +199,20 @@ def test_references_resolve_from_the_cache_offline(hub):
     assert hub_gguf_file("user/tiny:Q8_0") == snapshot_file(hub, "user/tiny", "tiny-Q8_0.gguf")  # named: the GGUF
 
 
+def test_a_cached_transformers_model_asks_the_hub_nothing(hub, monkeypatch):
+    """Online, a bare `user/repo` the cache holds as a transformers model is one without a listing
+    (against a hub where nothing listens, a listing retries for ~20 s before the cache is read)."""
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    start = time.monotonic()
+    assert model_files.resolve_model("user/tiny") == "user/tiny"
+    assert time.monotonic() - start < 5
+
+
 def test_what_a_repository_lacks_is_refused_naming_what_it_has(hub):
     with pytest.raises(HubReferenceError, match=r"^no Q5_K_M file in user/tiny-GGUF \(the files cached in .*: offline "
                                                 r"\(HF_HUB_OFFLINE is set\)\); it has: F32, Q8_0$"):

@@ -115,12 +115,17 @@ def _resolve(reference: HubReference, cache_folder: str, offline: bool) -> str |
 def _repo_files(reference: HubReference, cache_folder: str, offline: bool) -> tuple[list[str] | None, str]:
     """(the repository's files, the repository as errors name it: with where its files were read
     when not on the hub), asking the hub unless offline; the cache's when the hub cannot be reached.
-    (None, ...) for a transformers-style id the hub does not know or that nothing lists:
-    transformers' own loading then says what is wrong."""
+    (None, ...) for a transformers hub id: a bare `user/repo` the cache holds as a transformers
+    model (the hub not asked: a listing that cannot connect retries for ~20 s), or one the hub does
+    not know or nothing lists, which transformers' own loading then reports."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import RepositoryNotFoundError
 
     unreachable = None
+    if not reference.names_gguf:
+        cached = _cached_files(reference.repo_id, cache_folder)
+        if cached is not None and transformers_weights(cached):
+            return None, reference.repo_id
     if not offline:
         try:
             return HfApi().list_repo_files(reference.repo_id), reference.repo_id
