@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -277,6 +279,12 @@ def test_a_split_hub_model_loads_and_the_engine_serves_it(hub, tiny_hf, tiny_mod
     folder = model_files.resolve_model("hf.co/user/tiny-GGUF:F32")
     first = snapshot_file(hub, "user/tiny-GGUF", "F32/tiny-F32-00001-of-00003.gguf")
     assert gguf_source(folder)["path"] == first  # the name in the repository, not its blob's
+    # a server's front end resolves it again (the same environment) without loading torch
+    script = ("import sys; from engine.worker.loading.model_files import resolve_model; "
+              "print(resolve_model('hf.co/user/tiny-GGUF:F32'), 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.split() == [folder, "False"]
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(folder)
     assert config.tie_word_embeddings is False and config.num_hidden_layers == tiny_hf.config.num_hidden_layers

@@ -25,8 +25,6 @@ def ensure_gguf_model(path: str | os.PathLike) -> Path:
     absolute path, size and mtime (every part's, for a split model), so an edited or replaced file
     gets a new folder. The path is kept as named, not resolved: a hub cache's file is a link to a
     blob named by its hash, and a split model's parts are found by their names beside it."""
-    from engine.worker.loading.gguf_file import inspect_gguf, open_reader  # torch: a first use's only
-
     source = Path(os.path.abspath(Path(path).expanduser()))
     if not source.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
@@ -36,6 +34,8 @@ def ensure_gguf_model(path: str | os.PathLike) -> Path:
     folder = cache_dir() / "gguf" / f"{source.stem}-{key}"
     if (folder / GGUF_SOURCE).exists():
         return folder
+    from engine.worker.loading.gguf_file import inspect_gguf, open_reader  # torch: a first use's only
+
     reader = open_reader(source)
     info = inspect_gguf(source, reader)  # refusals first: nothing else has read the file yet
     # transformers ties the head to the embedding when the file has no `output.weight`, looking at
