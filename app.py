@@ -4,6 +4,7 @@ servers (vLLM, SGLang, llama.cpp, `python -m engine.serve`) instead of an engine
 
     python app.py                                  # SmolLM2-135M-Instruct, ./data/pagedchat.db
     MODEL=path/to/llama python app.py --port 8080  # flags override environment variables
+    MODEL=user/repo:Q4_K_M python app.py           # a GGUF from the hub, named as llama.cpp's -hf names it
     python app.py --backend http://gpu1:8000 --backend http://gpu2:8000   # or $PAGEDCHAT_BACKENDS
 
 The API is on for an app bound to a loopback address, answering requests made on this machine
@@ -36,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default_model = env("MODEL") or (space.DEFAULT_MODEL if space.on_space() else None)
     parser.add_argument("--model", default=default_model,
-                        help="hub id, local Llama-family folder or .gguf file ($MODEL; default: the embedded SmolLM2-135M-Instruct)")
+                        help="hub id, local Llama-family folder, .gguf file or hub GGUF (user/repo:Q4_K_M) ($MODEL; default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=env("PAGEDCHAT_DEVICE"), help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--dtype", default=env("PAGEDCHAT_DTYPE", "auto"),
                         help="auto, float32, bfloat16 or float16 ($PAGEDCHAT_DTYPE; auto: bf16 where the device "

@@ -33,7 +33,7 @@ def stream_reply(engine: LLMEngine, request_id: str, prompt: str, params: Sampli
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m engine", description="Chat with the engine in the terminal.")
     parser.add_argument("prompt", nargs="?", help="reply to this one prompt and exit (default: chat)")
-    parser.add_argument("--model", default=None, help="hub id, folder or .gguf file (default: $MODEL or SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help="hub id, folder, .gguf file or hub GGUF (user/repo:Q4_K_M) (default: $MODEL or SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--system", default=None, help="system prompt")
     parser.add_argument("--raw", action="store_true", help="send the prompt without the chat template")

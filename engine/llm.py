@@ -16,8 +16,9 @@ Prompt = str | Sequence[int]
 class LLM:
     """Runs batches of prompts to completion on the engine.
 
-    `LLM(model=None, device=None, **options)`: `model` is a hub id or local folder of a
-    Llama-family model (default: $MODEL, else the embedded SmolLM2-135M-Instruct); `device`
+    `LLM(model=None, device=None, **options)`: `model` is a hub id, a local folder or a GGUF file
+    (a path, or on the hub as `user/repo:Q4_K_M`) of a Llama-family model (default: $MODEL, else
+    the embedded SmolLM2-135M-Instruct); `device`
     defaults to CUDA when present; options are the engine's (`block_size`, `num_gpu_blocks`,
     `num_cpu_blocks`, `gpu_memory_utilization`, `swap_space`, `max_num_seqs`,
     `max_num_batched_tokens`, `max_model_len`, `enable_prefix_caching`, `preemption_mode`, `dtype`,

@@ -2,6 +2,7 @@
 
     python -m engine.serve                                   # SmolLM2-135M-Instruct on 127.0.0.1:8000
     python -m engine.serve --model path/to/llama --host 0.0.0.0 --api-key "$KEY"
+    python -m engine.serve --model bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M  # a GGUF from the hub
 
 Then any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=...)`.
 The engine core runs in a process of its own (engine/runtime/process_client.py), so the server's Python
@@ -39,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     parser = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=env("MODEL"), help="hub id, folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=env("MODEL"), help="hub id, folder, .gguf file or hub GGUF (user/repo:Q4_K_M) (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

@@ -20,7 +20,7 @@ from engine.worker.parent_watch import end_with_parent
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Build a compiled step (a lone chat's decode, or the flat step) for a model and dtype.")
-    parser.add_argument("--model", default=None, help="folder or hub id (default: $MODEL, else the embedded model)")
+    parser.add_argument("--model", default=None, help="folder, hub id, .gguf file or hub GGUF (user/repo:Q4_K_M) (default: $MODEL, else the embedded model)")
     parser.add_argument("--dtype", choices=[str(d).removeprefix("torch.") for d in DTYPES], default="float32")
     parser.add_argument("--kind", choices=KINDS, default="lone", help="a lone chat's decode step, or the flat step")
     parser.add_argument("--out", default=None, help="package path (default: this machine's cache entry)")

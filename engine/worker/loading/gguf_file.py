@@ -1,5 +1,6 @@
-"""A GGUF file by path: what it holds, whether we serve it, and its weights, as the engine's
-checkpoint (`read_checkpoint`, for Llama files) or as a transformers model (`load_model`).
+"""A GGUF file by path (or the first part of a split model, read as one: gguf_split.py): what it
+holds, whether we serve it, and its weights, as the engine's checkpoint (`read_checkpoint`, for
+Llama files) or as a transformers model (`load_model`).
 
 Read with the `gguf` package's GGUFReader (llama.cpp's own reader), never by hand. `inspect_gguf`
 refuses a file before anything else touches it: an architecture other than llama, mistral or
@@ -13,6 +14,7 @@ applied to the rotary frequencies as llama.cpp applies it.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,6 +23,7 @@ import torch
 
 from engine.worker.loading import gguf_formats
 from engine.worker.loading.architectures import UnsupportedModelError, check_architecture
+from engine.worker.loading.gguf_split import SplitGGUF, open_split
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +66,12 @@ def _reader_class():
 
 def open_reader(path: str | Path):
     """GGUFReader over the file, memory-mapped copy-on-write: its tensors are writable numpy
-    arrays (what torch.from_numpy wants) and the file is never written."""
-    path = Path(path)
+    arrays (what torch.from_numpy wants) and the file is never written. For the first part of a
+    split model, every part's reader joined as one (gguf_split.open_split)."""
+    return open_split(Path(path), _open_one)
+
+
+def _open_one(path: Path):
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
     try:
@@ -94,13 +101,15 @@ def inspect_gguf(path: str | Path, reader=None) -> GGUFInfo:
             raise UnsupportedModelError(f"{Path(path).name}: tensor {tensor.name!r}: {error}") from None
         weights[qtype.name] += int(tensor.n_elements)
     main_type = weights.most_common(1)[0][0] if weights else "none"
+    parts = reader.paths if isinstance(reader, SplitGGUF) else [Path(path)]
     file_type = field_value(reader, "general.file_type")
     try:
         file_type = LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
     except (TypeError, ValueError):
         file_type = main_type
-    return GGUFInfo(path=str(Path(path).resolve()), architecture=architecture, name=field_value(reader, "general.name"),
-                    file_type=file_type, main_type=main_type, size_bytes=Path(path).stat().st_size,
+    return GGUFInfo(path=os.path.abspath(path), architecture=architecture, name=field_value(reader, "general.name"),
+                    file_type=file_type, main_type=main_type,
+                    size_bytes=sum(part.stat().st_size for part in parts),
                     num_parameters=sum(weights.values()), weights_by_type=dict(weights))
 
 

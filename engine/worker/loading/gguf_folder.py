@@ -1,7 +1,7 @@
 """A GGUF file's config and tokenizer as a small transformers folder, read from the file once into
 the cache directory, keyed by the file's path, size and modification time (an edited or replaced
-file gets a new folder). Its weights are never written out: they are read from the file itself at
-every load (gguf_file.py)."""
+file gets a new folder; a split model's, by all of its parts'). Its weights are never written out:
+they are read from the file itself at every load (gguf_file.py)."""
 from __future__ import annotations
 
 import fcntl
@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from engine.worker.cache_folders import cache_dir
+from engine.worker.loading.gguf_split import split_files
 
 GGUF_SOURCE = "gguf_source.json"  # in a GGUF's cached folder: the file its weights are read from
 
@@ -21,33 +22,41 @@ def ensure_gguf_model(path: str | os.PathLike) -> Path:
     """The cached folder for the GGUF file at `path`: its config (with the dtype the file's main
     weight type suggests) and tokenizer, written on first use after the file passed
     gguf_file.inspect_gguf's checks, and `gguf_source.json` naming the file. Keyed by the file's
-    resolved path, size and mtime, so an edited or replaced file gets a new folder."""
-    from engine.worker.loading.gguf_file import inspect_gguf  # torch: a first use's only
-
-    source = Path(path).expanduser().resolve()
+    absolute path, size and mtime (every part's, for a split model), so an edited or replaced file
+    gets a new folder. The path is kept as named, not resolved: a hub cache's file is a link to a
+    blob named by its hash, and a split model's parts are found by their names beside it."""
+    source = Path(os.path.abspath(Path(path).expanduser()))
     if not source.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
-    stat = source.stat()
-    key = hashlib.sha256(f"{source}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    parts = [part.stat() for part in split_files(source) if part.is_file()]
+    stats = "".join(f"\0{stat.st_size}\0{stat.st_mtime_ns}" for stat in parts)
+    key = hashlib.sha256(f"{source}{stats}".encode()).hexdigest()[:16]
     folder = cache_dir() / "gguf" / f"{source.stem}-{key}"
     if (folder / GGUF_SOURCE).exists():
         return folder
-    info = inspect_gguf(source)  # refusals first: nothing else has read the file yet
+    from engine.worker.loading.gguf_file import inspect_gguf, open_reader  # torch: a first use's only
+
+    reader = open_reader(source)
+    info = inspect_gguf(source, reader)  # refusals first: nothing else has read the file yet
+    # transformers ties the head to the embedding when the file has no `output.weight`, looking at
+    # the first file only: a split model's head may be in another part
+    tied = all(tensor.name != "output.weight" for tensor in reader.tensors)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f".{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a client and its core starting at once write it once
         if (folder / GGUF_SOURCE).exists():
             return folder
-        _write_gguf_folder(source, info, folder)
+        _write_gguf_folder(source, info, folder, tied)
     return folder
 
 
-def _write_gguf_folder(source: Path, info, folder: Path) -> None:
+def _write_gguf_folder(source: Path, info, folder: Path, tied: bool) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    config.tie_word_embeddings = tied
     # The dtype the weights were published in, which dtype="auto" goes by: a 16-bit file's own;
     # a quantized file's was 16 bits (llama.cpp quantizes from those) and bf16 holds its values.
     config.dtype = {"F32": "float32", "F16": "float16"}.get(info.main_type, "bfloat16")
