@@ -17,6 +17,9 @@ from engine.worker.quantized.matrix import CHUNK, SPAN_VALUES, X_LIMIT, Quantize
 from tests.test_gguf_formats import T, random_tensor
 
 OUT = 37  # not a multiple of the 8-feature blocks: the padding path too
+# how each format's quants are packed in memory (matrix.py's table)
+BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q2_K: 4, T.Q5_0: 6, T.Q5_1: 6, T.Q5_K: 6, T.Q6_K: 6, T.Q3_K: 6,
+        T.Q8_0: 8, T.IQ4_NL: 8, T.IQ4_XS: 8}
 BATCH_ROWS = native_abi.CONSTANTS["BATCH_ROWS"]  # from this many rows (two levels) the batch loops take a product
 
 
@@ -33,7 +36,7 @@ def test_the_library_builds_and_loads():
 def test_rows_are_the_reference_weights(qtype):
     matrix, data = matrix_of(qtype)
     expected = torch.from_numpy(reference(data, qtype))
-    assert matrix.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 6 if qtype in (T.Q5_K, T.Q6_K) else 8)
+    assert matrix.bits == BITS[qtype]
     ids = torch.tensor([[5, 0], [36, 8]])
     # Q4_0's reference rounds d x (q - 8), the groups d x q - 8d: one rounding apart.
     tolerance = dict(rtol=1e-6, atol=1e-6) if qtype == T.Q4_0 else dict(rtol=0, atol=0)
@@ -138,11 +141,14 @@ def test_parts_in_different_formats_side_by_side(rows):
     torch.testing.assert_close(fused, torch.cat([matmul(x, [first]), matmul(x, [second])], dim=1), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("qtype, span", [(T.Q4_K, 4), (T.Q5_K, 2), (T.Q6_K, 1), (T.Q8_0, 0), (T.Q4_1, 0)],
+@pytest.mark.parametrize("qtype, span", [(T.Q4_K, 4), (T.Q5_K, 2), (T.Q6_K, 1), (T.Q2_K, 4), (T.Q3_K, 4),
+                                         (T.IQ4_XS, 1), (T.Q8_0, 0), (T.Q4_1, 0), (T.Q5_0, 0), (T.Q5_1, 0),
+                                         (T.IQ4_NL, 0)],
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_the_int32_span_of_each_format(qtype, span):
     """Random blocks reach each format's largest quants and factors: Q4_K's 15 x 63 sums 4 chunks
-    in int32, Q5_K's 31 x 63 two, Q6_K's 32 x 128 one; formats without integer factors none."""
+    in int32, Q5_K's 31 x 63 two, Q6_K's 32 x 128 one, Q2_K's 3 x 15 and Q3_K's 4 x 32 four,
+    IQ4_XS's 127 x 32 one; formats without integer factors none."""
     matrix, _ = matrix_of(qtype)
     assert matrix.span == span
     assert int32_span(15, torch.full((4, 1), 63, dtype=torch.int8), 2 * SPAN_VALUES + CHUNK, 8) == 0  # rows not in spans
@@ -158,8 +164,9 @@ def extreme_matrix(quant: int, sc: int, group: int, columns: int = 2 * 256) -> Q
     return QuantizedMatrix.of(gguf_formats.Groups(quants, d, factors, None, None), "extreme")
 
 
-@pytest.mark.parametrize("quant, sc, group, span", [(15, 63, 32, 4), (31, 63, 32, 2), (-32, -128, 16, 1)],
-                         ids=["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("quant, sc, group, span", [(15, 63, 32, 4), (31, 63, 32, 2), (-32, -128, 16, 1),
+                                                    (3, 15, 16, 4), (-4, -32, 16, 4), (-127, -32, 32, 1)],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS"])
 @pytest.mark.parametrize("rows", [1, 32])
 def test_the_largest_sums_do_not_overflow(quant, sc, group, span, rows):
     """x at its largest everywhere (every value rounds to X_LIMIT) times the largest weights: the

@@ -2,10 +2,25 @@
 
 `QuantizedMatrix.of(groups)` lays a tensor's groups (engine/worker/loading/gguf_formats.unpack) out as
 the C loops in qmatmul.c read them (the layout is described there): quants in blocks of 8 output
-features, 4-bit formats (Q4_0, Q4_1, Q4_K) two to a byte, 5- and 6-bit ones (Q5_K, Q6_K) in 6
-bits, Q8_0 one to an int8, and the formats' own scale factors beside them. Memory per weight,
-against the file's: Q4_0 5.0 bits (4.5), Q4_1 5.0 (5.0), Q4_K 4.6 (4.5), Q8_0 8.5 (8.5), Q6_K 6.6
-(6.6), Q5_K 6.6 (5.5).
+features, 4-bit formats (Q4_0, Q4_1, Q4_K; Q2_K's 2-bit quants too) two to a byte, 5- and 6-bit
+ones (Q5_0, Q5_1, Q5_K, Q6_K; Q3_K's 3-bit quants too) in 6 bits, Q8_0 and the IQ4 formats' int8
+levels one to an int8, and the formats' own scale factors beside them. Memory per weight, against
+the file's:
+
+| type   | bits | in memory | file |
+|--------|------|-----------|------|
+| Q4_0   | 4    | 5.0       | 4.5  |
+| Q4_1   | 4    | 5.0       | 5.0  |
+| Q4_K   | 4    | 4.6       | 4.5  |
+| Q2_K   | 4    | 5.1       | 2.6  |
+| Q5_0   | 6    | 6.5       | 5.5  |
+| Q5_1   | 6    | 7.0       | 6.0  |
+| Q5_K   | 6    | 6.6       | 5.5  |
+| Q6_K   | 6    | 6.6       | 6.6  |
+| Q3_K   | 6    | 6.6       | 3.4  |
+| Q8_0   | 8    | 8.5       | 8.5  |
+| IQ4_NL | 8    | 8.5       | 4.5  |
+| IQ4_XS | 8    | 8.3       | 4.25 |
 
 `matmul(x)` quantizes x's rows to int8 per 32 (as llama.cpp does), by default in two levels (the
 row, then what rounding left out), and sums each group in integers; the result differs from
@@ -86,8 +101,6 @@ class QuantizedMatrix:
         if columns % CHUNK or group not in (16, 32):
             raise ValueError(f"a quantized matrix needs rows of a multiple of {CHUNK} weights in groups "
                              f"of 16 or 32, not {columns} in groups of {group}")
-        if groups.dm is not None and group != CHUNK:
-            raise ValueError("offsets are supported for groups of 32 only")
         if groups.groups_per_super & (groups.groups_per_super - 1):
             raise ValueError(f"{groups.groups_per_super} groups a super-block: a power of two is needed")
         padded = -(-out // LANES) * LANES
@@ -97,7 +110,7 @@ class QuantizedMatrix:
         signed = q.dtype == torch.int8
         if not signed and high < 16:
             bits, shift = 4, 0
-        elif -32 <= low and high < (32 if signed else 64):  # Q6_K's -32..31, Q5_K's 0..31
+        elif -32 <= low and high < (32 if signed else 64):  # Q6_K's -32..31, Q5_K's 0..31 (and fewer bits)
             bits, shift = 6, 32 if signed else 0
         else:
             bits, shift = 8, 0
@@ -197,7 +210,8 @@ class ActivationScratch:
     def __init__(self, levels: int, rows: int, in_features: int) -> None:
         chunks = in_features // CHUNK
         self.xq = torch.empty(levels, rows, in_features, dtype=torch.int8)
-        self.floats = torch.empty(levels + 1, rows, chunks)  # dx per level, then the float sums
+        self.dx = torch.empty(levels, rows, chunks)
+        self.xsum = torch.empty(rows, chunks, 2)  # the float sums of each 16 values (a group's offset multiplies them)
         self.xqsum = torch.empty(levels, rows, chunks, 2, dtype=torch.int32)
-        self.struct = native_abi.Scratch(self.xq.data_ptr(), self.floats.data_ptr(), self.floats[levels].data_ptr(),
-                                     self.xqsum.data_ptr())
+        self.struct = native_abi.Scratch(self.xq.data_ptr(), self.dx.data_ptr(), self.xsum.data_ptr(),
+                                         self.xqsum.data_ptr())

@@ -42,7 +42,7 @@ typedef struct {
 } Part;
 
 /* Room for a row's activations as the loops quantize them, for rows x `in` values in `levels`
-   levels: xq [levels, rows, in] int8, dx [levels, rows, in / 32], xsum [rows, in / 32],
+   levels: xq [levels, rows, in] int8, dx [levels, rows, in / 32], xsum [rows, in / 16],
    xqsum [levels, rows, in / 16] int32. */
 typedef struct {
     int8_t *xq; float *dx; float *xsum; int32_t *xqsum;

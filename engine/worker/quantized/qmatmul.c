@@ -5,7 +5,7 @@
 
    Weights. A weight is `q * scale + offset` over groups of `gs` (16 or 32) consecutive k:
      scale  = d[g / sg] * sc[g]   (sc absent: 1)
-     offset = dm[g / sg] * mn[g]  (mn absent: 1; dm absent: no offset; gs 32 only)
+     offset = dm[g / sg] * mn[g]  (mn absent: 1; dm absent: no offset)
    d, dm are f16 per "super-block" of `sg` groups and sc, mn int8 per group: the formats' own
    numbers, so the file's weights are kept exactly, and a scale is the float product llama.cpp's
    and gguf's dequantizers compute. They are laid out [blocks, groups, LANES].
@@ -24,9 +24,9 @@
    llama.cpp's q8 rows), and with two levels also what that left out, in steps FINER times finer
    (within 127 of them: it is within half a step of level 1), so that both levels' integer sums
    add up in one int32 (level 1's times FINER) and are scaled into float once; xsum
-   = the float sum of the 32 values for the offsets: x . (q*s + o) ~= s * sum over levels of
-   dx * (xq . q) + o * xsum; xqsum the integer sums of each level's xq over each 16 values (for
-   the 6-bit shift).
+   = the float sums of each 16 values for the offsets: x . (q*s + o) ~= s * sum over levels of
+   dx * (xq . q) + o * xsum (a 32-wide group's xsum the sum of its two); xqsum the integer sums
+   of each level's xq over each 16 values (for the 6-bit shift).
 
    Rows are taken MT at a time so a block's weights, loaded once, serve several rows from L1.
    A batch of BATCH_ROWS rows or more in two levels goes to qmatmul_batch.c's loops instead. */
@@ -133,25 +133,33 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                 if (GS == 32) dot[0][r][0] = _mm256_add_epi32(dot[0][r][0], dot[0][r][1]);
             }
         } else if (BITS == 4) {
-            /* 16-bit sums hold a whole chunk: 4 quads x 2 nibbles x 2 products x 15 x 127 < 2^15. */
-            __m256i pairs[2][4];
+            /* 16-bit sums hold a whole chunk: 4 quads x 2 nibbles x 2 products x 15 x 127 < 2^15.
+               The low nibbles are k 0-15, the high k 16-31: a 16-wide group's sums kept apart. */
+            __m256i pairs[2][4][2];
             for (int v = 0; v < LEVELS; v++)
-                for (int r = 0; r < MT; r++) pairs[v][r] = _mm256_setzero_si256();
+                for (int r = 0; r < MT; r++) pairs[v][r][0] = pairs[v][r][1] = _mm256_setzero_si256();
             const uint8_t *p = a->q + (b * a->chunks + c) * (CHUNK / 2) * LANES;
             for (int t = 0; t < 4; t++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(p + t * 32));
                 const __m256i lo = _mm256_and_si256(w, low4);
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
                 for (int v = 0; v < LEVELS; v++)
-                    for (int r = 0; r < MT; r++)
-                        pairs[v][r] = _mm256_add_epi16(pairs[v][r], _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, broadcast4(xq[v][r] + 4 * t)),
-                            _mm256_maddubs_epi16(hi, broadcast4(xq[v][r] + 16 + 4 * t))));
+                    for (int r = 0; r < MT; r++) {
+                        const __m256i low_half = _mm256_maddubs_epi16(lo, broadcast4(xq[v][r] + 4 * t));
+                        const __m256i high_half = _mm256_maddubs_epi16(hi, broadcast4(xq[v][r] + 16 + 4 * t));
+                        if (GS == 16) {
+                            pairs[v][r][0] = _mm256_add_epi16(pairs[v][r][0], low_half);
+                            pairs[v][r][1] = _mm256_add_epi16(pairs[v][r][1], high_half);
+                        } else {
+                            pairs[v][r][0] = _mm256_add_epi16(pairs[v][r][0], _mm256_add_epi16(low_half, high_half));
+                        }
+                    }
             }
-            for (int r = 0; r < MT; r++) {
-                dot[0][r][0] = _mm256_madd_epi16(pairs[0][r], first);
-                if (LEVELS == 2) dot[0][r][0] = _mm256_add_epi32(dot[0][r][0], _mm256_madd_epi16(pairs[1][r], ones));
-            }
+            for (int r = 0; r < MT; r++)
+                for (int h = 0; h < CHUNK / GS; h++) {
+                    dot[0][r][h] = _mm256_madd_epi16(pairs[0][r][h], first);
+                    if (LEVELS == 2) dot[0][r][h] = _mm256_add_epi32(dot[0][r][h], _mm256_madd_epi16(pairs[1][r][h], ones));
+                }
         } else {
             const int8_t *p = (const int8_t *)a->q + (b * a->chunks + c) * CHUNK * LANES;
             for (int t = 0; t < 8; t++) {
@@ -174,11 +182,14 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0][r][h]), s, acc[r]);
             }
         }
-        if (a->dm) {
-            const __m256 offset = load_factor(a, a->dm, a->mn, b, g0, groups);
-            for (int r = 0; r < MT; r++)
-                acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a->xsum[(r0 + r) * a->chunks + c]), acc[r]);
-        }
+        if (a->dm)
+            for (int h = 0; h < CHUNK / GS; h++) {
+                const __m256 offset = load_factor(a, a->dm, a->mn, b, g0 + h, groups);
+                for (int r = 0; r < MT; r++) {
+                    const float *xs = a->xsum + ((r0 + r) * a->chunks + c) * 2;
+                    acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(GS == 16 ? xs[h] : xs[0] + xs[1]), acc[r]);
+                }
+            }
     }
     for (int r = 0; r < MT; r++) _mm256_storeu_ps(a->y + (r0 + r) * a->y_stride + b * LANES, acc[r]);
 }
@@ -193,7 +204,8 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
         for (int64_t c = 0; c < a->chunks; c++) {
             for (int h = 0; h < CHUNK / GS; h++) {
                 float scale[LANES], offset[LANES];
-                group_scale(a, b, c * CHUNK / GS + h, groups, scale, h == 0 ? offset : NULL);
+                group_scale(a, b, c * CHUNK / GS + h, groups, scale, offset);
+                const float *xs = a->xsum + ((r0 + r) * a->chunks + c) * 2;
                 for (int l = 0; l < LANES; l++) {
                     for (int v = 0; v < LEVELS; v++) {
                         const int64_t row_chunk = v * level_stride + (r0 + r) * a->chunks + c;
@@ -216,7 +228,7 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                         }
                         acc[l] += (float)dot * scale[l] * a->dx[row_chunk];
                     }
-                    if (h == 0 && a->dm) acc[l] += offset[l] * a->xsum[(r0 + r) * a->chunks + c];
+                    if (a->dm) acc[l] += offset[l] * (GS == 16 ? xs[h] : xs[0] + xs[1]);
                 }
             }
         }
@@ -240,7 +252,8 @@ static inline __attribute__((always_inline)) void block(const Args *a, int64_t b
 /* A part's blocks, each format's loop chosen once per call. */
 static inline void format_block(const Args *a, const Part *p, int64_t b, int64_t rows, int64_t levels) {
     #define BY_FORMAT(LEVELS) \
-        if (p->bits == 4) block(a, b, rows, 32, 4, LEVELS); \
+        if (p->bits == 4 && p->gs == 16) block(a, b, rows, 16, 4, LEVELS); \
+        else if (p->bits == 4) block(a, b, rows, 32, 4, LEVELS); \
         else if (p->bits == 6 && p->gs == 16) block(a, b, rows, 16, 6, LEVELS); \
         else if (p->bits == 6) block(a, b, rows, 32, 6, LEVELS); \
         else if (p->gs == 16) block(a, b, rows, 16, 8, LEVELS); \
@@ -252,9 +265,9 @@ static inline void format_block(const Args *a, const Part *p, int64_t b, int64_t
 /* Row r of x [rows, in] (row stride x_stride) as int8 per 32 values, in `levels` levels: level 1
    is round(x / dx) with dx = max|x| / 127 (llama.cpp's q8 rows), level 2 what level 1 left out
    (within dx / 2) in steps of dx / FINER, so two levels carry x to ~1/64000 of the chunk's
-   largest value. xq [levels, rows, in], dx [levels, rows, in/32]; xsum [rows, in/32] the float
-   sums (for the offsets), xqsum [levels, rows, in/16] the integer sums of xq by 16 (for the 6-bit
-   shift). Called inside a parallel region: the threads share the chunks. */
+   largest value. xq [levels, rows, in], dx [levels, rows, in/32]; xsum [rows, in/16] the float
+   sums by 16 (for the offsets), xqsum [levels, rows, in/16] the integer sums of xq by 16 (for the
+   6-bit shift). Called inside a parallel region: the threads share the chunks. */
 static void quantize_chunks(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
                             int8_t *xq, float *dx, float *xsum, int32_t *xqsum) {
     const int64_t chunks = in / CHUNK;
@@ -262,10 +275,10 @@ static void quantize_chunks(const float *x, int64_t rows, int64_t x_stride, int6
     for (int64_t r = 0; r < rows; r++)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t rc = r * chunks + c;
-        float v[CHUNK], sum = 0.0f;
+        float v[CHUNK], halves[2] = {0.0f, 0.0f};
         memcpy(v, x + r * x_stride + c * CHUNK, sizeof(v));
-        for (int i = 0; i < CHUNK; i++) sum += v[i];
-        xsum[rc] = sum;
+        for (int i = 0; i < CHUNK; i++) halves[i / 16] += v[i];
+        memcpy(xsum + rc * 2, halves, sizeof(halves));
         float amax = 0.0f;
         for (int i = 0; i < CHUNK; i++) amax = fmaxf(amax, fabsf(v[i]));
         for (int64_t level = 0; level < levels; level++) {

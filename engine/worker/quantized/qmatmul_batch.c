@@ -68,7 +68,7 @@
 #endif
 
 typedef struct {
-    const int16_t *x; const float *dx; const float *xsum;  /* x [rows, in] int16, dx and xsum [rows, chunks] */
+    const int16_t *x; const float *dx; const float *xsum;  /* x [rows, in] int16, dx [rows, chunks], xsum [rows, chunks, 2] */
     int64_t in, chunks, rows;
     const Part *p; int64_t groups, supers;                  /* groups and super-blocks per output row */
     float *y; int64_t y_stride;
@@ -323,11 +323,14 @@ static inline __attribute__((always_inline)) void tile(const Batch *a, const int
             }
         }
         if (offsets)
-            for (int i = 0; i < NBT; i++) {
-                const __m256 offset = _mm256_load_ps(offsets + ((c - c0) * NBT + i) * LANES);
-                for (int r = 0; r < MTT; r++)
-                    sum[i][r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a->xsum[(r0 + r) * a->chunks + c]), sum[i][r]);
-            }
+            for (int h = 0; h < CHUNK / GS; h++)
+                for (int i = 0; i < NBT; i++) {
+                    const __m256 offset = _mm256_load_ps(offsets + (((c - c0) * 2 + h) * NBT + i) * LANES);
+                    for (int r = 0; r < MTT; r++) {
+                        const float *xs = a->xsum + ((r0 + r) * a->chunks + c) * 2;
+                        sum[i][r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(GS == 16 ? xs[h] : xs[0] + xs[1]), sum[i][r]);
+                    }
+                }
     }
     for (int i = 0; i < NBT; i++)
         for (int r = 0; r < MTT; r++) {
@@ -385,13 +388,19 @@ static inline __attribute__((always_inline)) void tile_wide(const Batch *a, cons
                                                 _mm512_mul_ps(scale, _mm512_set1_ps(a->dx[(r0 + r) * a->chunks + c])), sum[i][r]);
             }
         }
-        if (offsets)
+        if (offsets) {
+            /* the offsets' groups are the part's (16 or 32 wide) even where its scales are folded */
+            const int halves = a->p->gs == 16;
             for (int s = 0; s < SPAN; s++)
-                for (int i = 0; i < ZB; i++) {
-                    const __m512 offset = _mm512_loadu_ps(offsets + ((c + s - c0) * nb + 2 * i) * LANES);
-                    for (int r = 0; r < MTT; r++)
-                        sum[i][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a->xsum[(r0 + r) * a->chunks + c + s]), sum[i][r]);
-                }
+                for (int h = 0; h <= halves; h++)
+                    for (int i = 0; i < ZB; i++) {
+                        const __m512 offset = _mm512_loadu_ps(offsets + (((c + s - c0) * 2 + h) * nb + 2 * i) * LANES);
+                        for (int r = 0; r < MTT; r++) {
+                            const float *xs = a->xsum + ((r0 + r) * a->chunks + c + s) * 2;
+                            sum[i][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(halves ? xs[h] : xs[0] + xs[1]), sum[i][r]);
+                        }
+                    }
+        }
     }
     for (int i = 0; i < ZB; i++)
         for (int r = 0; r < MTT; r++) {
@@ -435,7 +444,7 @@ static void blocks(const Batch *a, int64_t b, int nb) {
     prefetch_factors(a, b, nb);
     int16_t w[SLAB * PAIRS * SLAB_BLOCKS * 16] __attribute__((aligned(64)));
     float scales[SLAB * 2 * SLAB_BLOCKS * LANES] __attribute__((aligned(64)));
-    float offsets[SLAB * SLAB_BLOCKS * LANES] __attribute__((aligned(64)));
+    float offsets[SLAB * 2 * SLAB_BLOCKS * LANES] __attribute__((aligned(64)));
     const Part *p = a->p;
     const int gs = (int)p->gs, per_chunk = CHUNK / gs;  /* groups a chunk holds */
 #ifdef UNPACK_PAIRS
@@ -455,12 +464,12 @@ static void blocks(const Batch *a, int64_t b, int nb) {
             ahead = ahead_of(a, b + nb, nb, 0, a->chunks < SLAB ? a->chunks : SLAB);
             prefetch_factors(a, b + nb, nb);
         }
-        /* the scale of chunk c's group h at scales + (((c - c0) * 2 + h) * nb + i) * LANES, its
-           offset (32-wide groups only) at offsets + ((c - c0) * nb + i) * LANES */
+        /* the scale and the offset of chunk c's group h at (((c - c0) * 2 + h) * nb + i) * LANES
+           in scales and offsets */
         for (int i = 0; i < nb; i++) {
             /* folded: each group's scale is its super-block's d (sc is in the weights) */
             group_factors(a, p->d, fold ? NULL : p->sc, b + i, c0 * per_chunk, n * per_chunk, scales + i * LANES, 2 / per_chunk * nb * LANES);
-            if (p->dm) group_factors(a, p->dm, p->mn, b + i, c0, n, offsets + i * LANES, nb * LANES);
+            if (p->dm) group_factors(a, p->dm, p->mn, b + i, c0 * per_chunk, n * per_chunk, offsets + i * LANES, 2 / per_chunk * nb * LANES);
         }
         const float *o = p->dm ? offsets : NULL;
 #ifdef WIDE_ROWS
@@ -494,7 +503,7 @@ static void unit(const Batch *a, int64_t b, int64_t count) {
 
 /* Each row of x [rows, in] (stride x_stride) as int16, for parts that sum spans (`spans`) per
    SPAN_VALUES values, else per 32: xq = round(x / dx) (to nearest even, as lrintf), dx = max|x| /
-   X_LIMIT (/ 32767 per 32), kept once per chunk; xsum the float sum of each 32 (for the offsets). */
+   X_LIMIT (/ 32767 per 32), kept once per chunk; xsum the float sums of each 16 (for the offsets). */
 static void quantize_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, int spans,
                           int16_t *xq, float *dx, float *xsum) {
     const int64_t chunks = in / CHUNK, span = spans ? SPAN_VALUES / CHUNK : 1;
@@ -512,21 +521,20 @@ static void quantize_rows(const float *x, int64_t rows, int64_t x_stride, int64_
         const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? limit / largest : 0.0f);
         for (int64_t c = s * span; c < (s + 1) * span; c++) {
             const float *w = x + r * x_stride + c * CHUNK;
-            __m256 part[4], sum = _mm256_setzero_ps();
-            for (int i = 0; i < 4; i++) {
-                part[i] = _mm256_loadu_ps(w + 8 * i);
-                sum = _mm256_add_ps(sum, part[i]);
-            }
+            __m256 part[4];
+            for (int i = 0; i < 4; i++) part[i] = _mm256_loadu_ps(w + 8 * i);
             for (int i = 0; i < 4; i += 2) {
                 const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(part[i], inverse)),
                                                           _mm256_cvtps_epi32(_mm256_mul_ps(part[i + 1], inverse)));
                 _mm256_storeu_si256((__m256i *)(xq + r * in + c * CHUNK + 8 * i), _mm256_permute4x64_epi64(packed, 0xD8));
             }
-            _mm256_storeu_ps(lanes, sum);
-            float total = 0.0f;
-            for (int i = 0; i < 8; i++) total += lanes[i];
+            for (int h = 0; h < 2; h++) {
+                _mm256_storeu_ps(lanes, _mm256_add_ps(part[2 * h], part[2 * h + 1]));
+                float total = 0.0f;
+                for (int i = 0; i < 8; i++) total += lanes[i];
+                xsum[(r * chunks + c) * 2 + h] = total;
+            }
             dx[r * chunks + c] = largest / limit;
-            xsum[r * chunks + c] = total;
         }
     }
 }
@@ -548,7 +556,7 @@ int qlinear_batch_in_region(const float *x, int64_t rows, int64_t x_stride, int6
         const int64_t r0 = rows * pass / passes, n = rows * (pass + 1) / passes - r0;
         for (int64_t k = 0; k < num_parts; k++) {
             const Part *p = &parts[k];
-            const Batch a = {xq + r0 * in, scratch->dx + r0 * chunks, scratch->xsum + r0 * chunks, in, chunks, n, p,
+            const Batch a = {xq + r0 * in, scratch->dx + r0 * chunks, scratch->xsum + r0 * chunks * 2, in, chunks, n, p,
                              in / p->gs, in / p->gs / p->sg, y + r0 * y_stride + p->column, y_stride};
             const int64_t units = (p->blocks + SLAB_BLOCKS - 1) / SLAB_BLOCKS;
             /* Handed out 8 blocks at a time, not in two fixed halves: on a shared host one core
