@@ -83,8 +83,11 @@ def test_unpacked_groups_are_the_weights(qtype):
     assert tuple(groups.quants.shape) == (rows, per_row, GROUP[qtype])
     assert tuple(groups.scale.shape) == (rows, per_row, 1)
     assert (groups.offset is None) == (qtype in SYMMETRIC)
+    assert (groups.levels is None) == (qtype not in (T.IQ4_NL, T.IQ4_XS))
+    if groups.levels is not None:  # 4-bit indices of the levels
+        assert groups.quants.dtype == torch.uint8 and int(groups.quants.max()) == 15
     low, high = QUANT_RANGE[qtype]
-    assert int(groups.quants.min()) == low and int(groups.quants.max()) == high  # random bytes reach both ends
+    assert int(groups.values.min()) == low and int(groups.values.max()) == high  # random bytes reach both ends
     weights, expected = gguf_formats.affine(groups), torch.from_numpy(reference(data, qtype))
     if qtype == T.Q4_0:  # d*q - 8d against the reference's d*(q - 8): one rounding apart
         torch.testing.assert_close(weights, expected, rtol=1e-6, atol=1e-6)

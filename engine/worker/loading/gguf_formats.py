@@ -22,14 +22,14 @@ groups in row-major order of the weights:
 | Q4_K   | 256   | 32    | uint4 0..15       | d x sc (6 bits)   | -dmin x m (6 bits) |
 | Q5_K   | 256   | 32    | uint5 0..31       | d x sc (6 bits)   | -dmin x m (6 bits) |
 | Q6_K   | 256   | 16    | int6 -32..31      | d x sc (int8)     | none               |
-| IQ4_NL | 32    | 32    | table -127..113   | d (f16)           | none               |
-| IQ4_XS | 256   | 32    | table -127..113   | d x sc (int6)     | none               |
+| IQ4_NL | 32    | 32    | uint4 -> levels   | d (f16)           | none               |
+| IQ4_XS | 256   | 32    | uint4 -> levels   | d x sc (int6)     | none               |
 
 So Q4_0, Q4_1 and Q4_K are affine int4 with a scale and an offset per 32 weights (the shape of
 torch's CPU int4 weight-only kernels), Q5_1 and Q5_K affine int5 per 32, Q2_K affine int2 per 16,
-Q8_0 and Q5_0 symmetric (no offset) per 32, Q3_K and Q6_K symmetric per 16. The IQ4 formats' 4-bit
-indices pick one of 16 non-linear int8 levels (ggml's kvalues, `IQ4_LEVELS`): their quants are
-those levels, so a group is d (x sc) times an int8, as Q8_0's. `dequantize` computes exactly
+Q8_0 and Q5_0 symmetric (no offset) per 32, Q3_K and Q6_K symmetric per 16. The IQ4 formats' quants
+are 4-bit indices of 16 non-linear int8 levels (ggml's kvalues, `IQ4_LEVELS`, the groups'
+`levels`): a group is d (x sc) times those int8 values, symmetric per 32. `dequantize` computes exactly
 what the reference does, operation for operation, so its floats are bit-equal to
 `gguf.quants.dequantize`; `affine(unpack(...))` is too, except Q4_0, where the reference computes
 d x (q - 8) and the groups d x q - 8 d (one rounding apart).
@@ -59,7 +59,8 @@ class Groups:
     offset are kept as the format's own factors (so a native matmul can keep the file's bits):
     scale = d * sc and offset = dm * mn, with d and dm per super-block of `groups_per_super`
     groups (f16) and sc, mn per group (small integers, int8). A factor that is None is 1 (sc, mn)
-    or absent (dm: no offset).
+    or absent (dm: no offset). Where `levels` is given (int8, 16 of them: IQ4's), the quants are
+    indices of it, and a weight's integer is the level: weight = levels[quant] * scale + offset.
 
     Shapes: quants (..., groups per row, group size) (uint8, or int8 where the format is signed);
     sc, mn (..., groups per row, 1); d, dm (..., super-blocks per row, 1)."""
@@ -68,6 +69,12 @@ class Groups:
     sc: torch.Tensor | None
     dm: torch.Tensor | None
     mn: torch.Tensor | None
+    levels: torch.Tensor | None = None
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Each weight's integer: the quant, or the level it indexes."""
+        return self.quants if self.levels is None else self.levels[self.quants.long()]
 
     @property
     def group_size(self) -> int:
@@ -124,7 +131,7 @@ def dequantize(data: torch.Tensor, qtype: int | GGMLQuantizationType) -> torch.T
 
 def affine(groups: Groups) -> torch.Tensor:
     """The float32 weights of `groups`, shape (..., weights per row)."""
-    weights = groups.quants.float() * groups.scale
+    weights = groups.values.float() * groups.scale
     if groups.offset is not None:
         weights = weights + groups.offset
     return weights.flatten(-2)
@@ -146,7 +153,7 @@ def unpack(data: torch.Tensor, qtype: int | GGMLQuantizationType) -> Groups:
         return None if t is None else t.reshape(*rows, count, -1)
 
     return Groups(per_row(quants, groups), per_row(d, blocks_per_row), per_row(sc, groups),
-                  per_row(dm, blocks_per_row), per_row(mn, groups))
+                  per_row(dm, blocks_per_row), per_row(mn, groups), _LEVELS if qtype in (T.IQ4_NL, T.IQ4_XS) else None)
 
 
 def _as_bytes(data: torch.Tensor) -> torch.Tensor:
@@ -232,8 +239,8 @@ def _q3_k(blocks):
 _LEVELS = torch.tensor(IQ4_LEVELS, dtype=torch.int8)
 
 
-def _iq4_nl(blocks):
-    return _LEVELS[_nibbles(blocks[:, 2:], 16).reshape(-1, 1, 32).long()], _f16(blocks, 0), None, None, None
+def _iq4_nl(blocks):  # the indices of _LEVELS
+    return _nibbles(blocks[:, 2:], 16).reshape(-1, 1, 32), _f16(blocks, 0), None, None, None
 
 
 def _iq4_xs(blocks):
@@ -242,8 +249,7 @@ def _iq4_xs(blocks):
     top = (high.unsqueeze(1) >> (2 * torch.arange(8, dtype=torch.int32))) & 0x03
     low = torch.stack((blocks[:, 4:8] & 0x0F, blocks[:, 4:8] >> 4), dim=2).reshape(n, 8)
     scales = (low | (top.to(torch.uint8) << 4)).view(torch.int8) - 32
-    quants = _LEVELS[_nibbles(blocks[:, 8:], 16).reshape(n, 8, 32).long()]
-    return quants, _f16(blocks, 0), scales, None, None
+    return _nibbles(blocks[:, 8:], 16).reshape(n, 8, 32), _f16(blocks, 0), scales, None, None
 
 
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

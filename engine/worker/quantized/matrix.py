@@ -3,9 +3,10 @@
 `QuantizedMatrix.of(groups)` lays a tensor's groups (engine/worker/loading/gguf_formats.unpack) out as
 the C loops in qmatmul.c read them (the layout is described there): quants in blocks of 8 output
 features, 4-bit formats (Q4_0, Q4_1, Q4_K; Q2_K's 2-bit quants too) two to a byte, 5- and 6-bit
-ones (Q5_0, Q5_1, Q5_K, Q6_K; Q3_K's 3-bit quants too) in 6 bits, Q8_0 and the IQ4 formats' int8
-levels one to an int8, and the formats' own scale factors beside them. Memory per weight, against
-the file's:
+ones (Q5_0, Q5_1, Q5_K, Q6_K) in 6 bits, Q8_0 one to an int8, and the formats' own scale factors
+beside them. Quants that stand for 16 int8 levels, the IQ4 formats' non-linear ones and Q3_K's
+signed -4..3 (kept as levels -8..7), are kept as 4-bit indices with the levels beside them (the
+loops look them up with a byte shuffle, as llama.cpp's do). Memory per weight, against the file's:
 
 | type   | bits | in memory | file |
 |--------|------|-----------|------|
@@ -17,10 +18,10 @@ the file's:
 | Q5_1   | 6    | 7.0       | 6.0  |
 | Q5_K   | 6    | 6.6       | 5.5  |
 | Q6_K   | 6    | 6.6       | 6.6  |
-| Q3_K   | 6    | 6.6       | 3.4  |
 | Q8_0   | 8    | 8.5       | 8.5  |
-| IQ4_NL | 8    | 8.5       | 4.5  |
-| IQ4_XS | 8    | 8.3       | 4.25 |
+| IQ4_NL | 4 (levels) | 4.5 | 4.5  |
+| IQ4_XS | 4 (levels) | 4.3 | 4.25 |
+| Q3_K   | 4 (levels) | 4.6 | 3.4  |
 
 `matmul(x)` quantizes x's rows to int8 per 32 (as llama.cpp does), by default in two levels (the
 row, then what rounding left out), and sums each group in integers; the result differs from
@@ -51,6 +52,7 @@ if TYPE_CHECKING:  # the engine imports this module; the gguf package is needed 
 # into them), rounded to at most X_LIMIT in magnitude
 LANES, CHUNK, SPAN_VALUES, X_LIMIT = (native_abi.CONSTANTS[name] for name in ("LANES", "CHUNK", "SPAN_VALUES", "X_LIMIT"))
 LEVELS = 2  # the activations' int8 levels by default (and in the native lone step): see the docstring
+SIGNED_NIBBLES = torch.arange(-8, 8, dtype=torch.int8)  # the levels of signed 4-bit quants, kept as q + 8
 
 
 def int32_span(largest_quant: int, sc: torch.Tensor | None, columns: int, chunks_per_super: int) -> int:
@@ -92,6 +94,7 @@ class QuantizedMatrix:
     shift: int = 0                 # 6-bit quants are kept as q + shift (0..63)
     type_name: str = ""
     span: int = 0                  # int32_span's chunks
+    table: torch.Tensor | None = None  # int8 (16,): 4-bit quants are indices of these levels
 
     @classmethod
     def of(cls, groups: Groups, type_name: str = "") -> QuantizedMatrix:
@@ -107,8 +110,11 @@ class QuantizedMatrix:
         blocks, chunks = padded // LANES, columns // CHUNK
         q = torch.nn.functional.pad(groups.quants.reshape(out, columns), (0, 0, 0, padded - out))
         low, high = (int(q.min()), int(q.max())) if q.numel() else (0, 0)
-        signed = q.dtype == torch.int8
-        if not signed and high < 16:
+        signed, levels = q.dtype == torch.int8, groups.levels
+        largest = max(-low, high) if levels is None else int(levels.to(torch.int16).abs().max())
+        if levels is None and signed and -8 <= low and high < 8:  # Q3_K's -4..3: indices of the levels -8..7
+            levels, q = SIGNED_NIBBLES, (q + 8).to(torch.uint8)
+        if levels is not None or (not signed and high < 16):
             bits, shift = 4, 0
         elif -32 <= low and high < (32 if signed else 64):  # Q6_K's -32..31, Q5_K's 0..31 (and fewer bits)
             bits, shift = 6, 32 if signed else 0
@@ -124,14 +130,14 @@ class QuantizedMatrix:
                 top = (u >> 4).view(blocks, LANES, chunks, 2, 4, 4)  # (.., half, quad, i)
                 packed = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
                 q = torch.cat((q, packed.permute(0, 2, 3, 1, 4)), dim=2)
-        span = int32_span(max(-low, high), groups.sc, columns, groups.groups_per_super * group // CHUNK)
+        span = int32_span(largest, groups.sc, columns, groups.groups_per_super * group // CHUNK)
         return cls(out, columns, q.contiguous(), _lanes(groups.d, padded), _lanes(groups.sc, padded),
                    _lanes(groups.dm, padded), _lanes(groups.mn, padded), group, groups.groups_per_super,
-                   bits, shift, type_name, span)
+                   bits, shift, type_name, span, None if levels is None else levels.to(torch.int8).contiguous())
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.quants, self.d, self.sc, self.dm, self.mn)
+        return sum(t.numel() * t.element_size() for t in (self.quants, self.d, self.sc, self.dm, self.mn, self.table)
                    if t is not None)
 
     def numel(self) -> int:
@@ -148,6 +154,8 @@ class QuantizedMatrix:
             if self.bits == 6:
                 top = torch.stack([(self.quants[block, :, 4:, lane] >> (2 * t)) & 3 for t in range(4)], dim=3)
                 q = (q | (top << 4)).to(torch.int16) - self.shift
+            elif self.table is not None:
+                q = self.table[q.long()]
         q = q.reshape(len(flat), -1, self.group_size).float()
         scale = self._per_group(self.d, self.sc, block, lane)
         weights = q * scale
@@ -171,7 +179,8 @@ def parts(matrices: list[QuantizedMatrix]) -> ctypes.Array:
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     array, column = (native_abi.Part * len(matrices))(), 0
     for part, m in zip(array, matrices):
-        part.q, part.d, part.dm, part.sc, part.mn = (ptr(m.quants), ptr(m.d), ptr(m.dm), ptr(m.sc), ptr(m.mn))
+        part.q, part.d, part.dm, part.sc, part.mn, part.table = (ptr(m.quants), ptr(m.d), ptr(m.dm), ptr(m.sc),
+                                                                 ptr(m.mn), ptr(m.table))
         part.gs, part.sg, part.bits, part.shift, part.blocks, part.column, part.span = (
             m.group_size, m.groups_per_super, m.bits, m.shift, m.quants.shape[0], column, m.span)
         column += m.out_features

@@ -19,6 +19,8 @@
              4 and 5 the top 2 bits of k = 32c + 16h + 4t + i (h = 0, 1) in bits 2t, 2t + 1
    A 6-bit quant is stored as u = q + shift (0..63: Q6_K's signed -32..31 with shift 32, Q5_K's
    0..31 with shift 0), and the loops subtract shift * (the sum of xq over the group) from u . xq.
+   A part with a `table` keeps 4-bit indices of its 16 int8 values instead (IQ4's non-linear levels,
+   Q3_K's -8..7): a quant is table[index].
 
    Activations. Row r's 32 values of chunk c become xq = round(x / dx), dx = max|x| / 127 (as
    llama.cpp's q8 rows), and with two levels also what that left out, in steps FINER times finer
@@ -40,7 +42,7 @@ typedef struct {
     const int8_t *xq; const float *dx; const float *xsum; const int32_t *xqsum;
     int64_t chunks, rows;  /* chunks = in / 32 */
     int32_t shift; const uint8_t *q; const half_bits *d; const half_bits *dm; const int8_t *sc; const int8_t *mn;
-    int sg_shift; int64_t supers; float *y; int64_t y_stride;  /* sg = 1 << sg_shift; supers per row */
+    const int8_t *table; int sg_shift; int64_t supers; float *y; int64_t y_stride;  /* sg = 1 << sg_shift; supers per row */
 } Args;
 
 /* Scale (and offset) of lane block b's scale group g, per lane. */
@@ -74,10 +76,12 @@ static inline __m256 load_factor(const Args *a, const half_bits *per_super, cons
 static inline __m256i broadcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
 
-/* Lane block b's outputs for rows r0 .. r0+MT-1; MT, GS, BITS, LEVELS are constants at each
-   call. Level 1 is the rounded row, level 2 (when LEVELS is 2) what rounding left out. */
+/* Lane block b's outputs for rows r0 .. r0+MT-1; MT, GS, BITS, LEVELS, TABLE (4-bit indices of
+   a->table) are constants at each call. Level 1 is the rounded row, level 2 (when LEVELS is 2)
+   what rounding left out. */
 static inline __attribute__((always_inline)) void block_rows(const Args *a, int64_t b, int64_t r0, const int MT,
-                                                             const int GS, const int BITS, const int LEVELS) {
+                                                             const int GS, const int BITS, const int LEVELS,
+                                                             const int TABLE) {
     const int64_t groups = a->chunks * CHUNK / GS, level_stride = a->rows * a->chunks;
     /* with two levels, level 1's sums count FINER of level 2's steps: both summed in one int32 */
     const __m256i ones = _mm256_set1_epi16(1), first = _mm256_set1_epi16(LEVELS == 2 ? FINER : 1), low4 = _mm256_set1_epi8(15);
@@ -131,6 +135,33 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                     dot[0][r][1] = _mm256_sub_epi32(dot[0][r][1], _mm256_set1_epi32(a->shift * sum1));
                 }
                 if (GS == 32) dot[0][r][0] = _mm256_add_epi32(dot[0][r][0], dot[0][r][1]);
+            }
+        } else if (BITS == 4 && TABLE) {
+            /* The indices' values by a byte shuffle of the table (in both 128-bit lanes), then
+               multiplied as 8-bit quants are: |value| x (x with value's sign). A product pair's
+               16-bit sum may reach 2 x 127 x 127, so each is widened to 32 bits at once. The low
+               nibbles are k 0-15, the high k 16-31. */
+            const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)a->table));
+            const uint8_t *p = a->q + (b * a->chunks + c) * (CHUNK / 2) * LANES;
+            for (int t = 0; t < 4; t++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(p + t * 32));
+                const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(w, low4));
+                const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(w, 4), low4));
+                const __m256i lo_abs = _mm256_abs_epi8(lo), hi_abs = _mm256_abs_epi8(hi);
+                for (int v = 0; v < LEVELS; v++)
+                    for (int r = 0; r < MT; r++) {
+                        const __m256i step = v ? ones : first;
+                        const __m256i low_half = _mm256_madd_epi16(_mm256_maddubs_epi16(
+                            lo_abs, _mm256_sign_epi8(broadcast4(xq[v][r] + 4 * t), lo)), step);
+                        const __m256i high_half = _mm256_madd_epi16(_mm256_maddubs_epi16(
+                            hi_abs, _mm256_sign_epi8(broadcast4(xq[v][r] + 16 + 4 * t), hi)), step);
+                        if (GS == 16) {
+                            dot[0][r][0] = _mm256_add_epi32(dot[0][r][0], low_half);
+                            dot[0][r][1] = _mm256_add_epi32(dot[0][r][1], high_half);
+                        } else {
+                            dot[0][r][0] = _mm256_add_epi32(dot[0][r][0], _mm256_add_epi32(low_half, high_half));
+                        }
+                    }
             }
         } else if (BITS == 4) {
             /* 16-bit sums hold a whole chunk: 4 quads x 2 nibbles x 2 products x 15 x 127 < 2^15.
@@ -197,7 +228,8 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
 #else  /* the same sums, one lane at a time */
 
 static inline __attribute__((always_inline)) void block_rows(const Args *a, int64_t b, int64_t r0, const int MT,
-                                                             const int GS, const int BITS, const int LEVELS) {
+                                                             const int GS, const int BITS, const int LEVELS,
+                                                             const int TABLE) {
     const int64_t groups = a->chunks * CHUNK / GS, level_stride = a->rows * a->chunks;
     for (int r = 0; r < MT; r++) {
         float acc[LANES] = {0};
@@ -220,6 +252,8 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                                 if (BITS == 6) {
                                     const uint8_t top = a->q[at + (4 + k / 16) * 32 + l * 4 + k % 4];
                                     q = (q | ((top >> (2 * (k % 16 / 4))) & 3) << 4) - a->shift;
+                                } else if (TABLE) {
+                                    q = a->table[q];
                                 }
                             } else {
                                 q = ((const int8_t *)a->q)[((b * a->chunks + c) * 8 + k / 4) * 32 + l * 4 + k % 4];
@@ -239,25 +273,27 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
 
 /* Rows in tiles of 4 (2 with two levels, which hold twice the sums in registers). */
 static inline __attribute__((always_inline)) void block(const Args *a, int64_t b, int64_t rows,
-                                                        const int GS, const int BITS, const int LEVELS) {
+                                                        const int GS, const int BITS, const int LEVELS, const int TABLE) {
     int64_t r = 0;
     if (LEVELS == 1) {
-        for (; r + 4 <= rows; r += 4) block_rows(a, b, r, 4, GS, BITS, 1);
-        if (rows - r == 3) { block_rows(a, b, r, 3, GS, BITS, 1); r += 3; }
+        for (; r + 4 <= rows; r += 4) block_rows(a, b, r, 4, GS, BITS, 1, TABLE);
+        if (rows - r == 3) { block_rows(a, b, r, 3, GS, BITS, 1, TABLE); r += 3; }
     }
-    for (; r + 2 <= rows; r += 2) block_rows(a, b, r, 2, GS, BITS, LEVELS);
-    if (r < rows) block_rows(a, b, r, 1, GS, BITS, LEVELS);
+    for (; r + 2 <= rows; r += 2) block_rows(a, b, r, 2, GS, BITS, LEVELS, TABLE);
+    if (r < rows) block_rows(a, b, r, 1, GS, BITS, LEVELS, TABLE);
 }
 
 /* A part's blocks, each format's loop chosen once per call. */
 static inline void format_block(const Args *a, const Part *p, int64_t b, int64_t rows, int64_t levels) {
     #define BY_FORMAT(LEVELS) \
-        if (p->bits == 4 && p->gs == 16) block(a, b, rows, 16, 4, LEVELS); \
-        else if (p->bits == 4) block(a, b, rows, 32, 4, LEVELS); \
-        else if (p->bits == 6 && p->gs == 16) block(a, b, rows, 16, 6, LEVELS); \
-        else if (p->bits == 6) block(a, b, rows, 32, 6, LEVELS); \
-        else if (p->gs == 16) block(a, b, rows, 16, 8, LEVELS); \
-        else block(a, b, rows, 32, 8, LEVELS);
+        if (p->table && p->gs == 16) block(a, b, rows, 16, 4, LEVELS, 1); \
+        else if (p->table) block(a, b, rows, 32, 4, LEVELS, 1); \
+        else if (p->bits == 4 && p->gs == 16) block(a, b, rows, 16, 4, LEVELS, 0); \
+        else if (p->bits == 4) block(a, b, rows, 32, 4, LEVELS, 0); \
+        else if (p->bits == 6 && p->gs == 16) block(a, b, rows, 16, 6, LEVELS, 0); \
+        else if (p->bits == 6) block(a, b, rows, 32, 6, LEVELS, 0); \
+        else if (p->gs == 16) block(a, b, rows, 16, 8, LEVELS, 0); \
+        else block(a, b, rows, 32, 8, LEVELS, 0);
     if (levels == 2) { BY_FORMAT(2) } else { BY_FORMAT(1) }
     #undef BY_FORMAT
 }
@@ -312,7 +348,7 @@ void qlinear_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t i
     for (int64_t i = 0; i < num_parts; i++) {
         const Part *p = &parts[i];
         const Args a = {scratch->xq, scratch->dx, scratch->xsum, scratch->xqsum, in / CHUNK, rows, (int32_t)p->shift,
-                        p->q, p->d, p->dm, p->sc, p->mn, __builtin_ctzll(p->sg), in / p->gs / p->sg,
+                        p->q, p->d, p->dm, p->sc, p->mn, p->table, __builtin_ctzll(p->sg), in / p->gs / p->sg,
                         y + p->column, y_stride};
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < p->blocks; b++) format_block(&a, p, b, rows, levels);
