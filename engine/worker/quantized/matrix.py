@@ -2,26 +2,27 @@
 
 `QuantizedMatrix.of(groups)` lays a tensor's groups (engine/worker/loading/gguf_formats.unpack) out as
 the C loops in qmatmul.c read them (the layout is described there): quants in blocks of 8 output
-features, 4-bit formats (Q4_0, Q4_1, Q4_K; Q2_K's 2-bit quants too) two to a byte, 5- and 6-bit
-ones (Q5_0, Q5_1, Q5_K, Q6_K) in 6 bits, Q8_0 one to an int8, and the formats' own scale factors
-beside them. Quants that stand for 16 int8 levels, the IQ4 formats' non-linear ones and Q3_K's
-signed -4..3 (kept as levels -8..7), are kept as 4-bit indices with the levels beside them (the
-loops look them up with a byte shuffle, as llama.cpp's do). Memory per weight, against the file's:
+features, Q2_K's 2-bit quants four to a byte, 4-bit formats (Q4_0, Q4_1, Q4_K) two to a byte, 5-
+and 6-bit ones (Q5_0, Q5_1, Q5_K, Q6_K) in 6 bits, Q8_0 one to an int8, and the formats' own
+scale factors beside them. Quants that stand for 16 int8 values, the IQ4 formats' non-linear
+levels and Q3_K's signed -4..3 (as levels -8..7), are kept as 4-bit indices with the 16 values
+beside them (the loops look them up with a byte shuffle, as llama.cpp's do). Memory per weight,
+against the file's:
 
-| type   | bits | in memory | file |
-|--------|------|-----------|------|
-| Q4_0   | 4    | 5.0       | 4.5  |
-| Q4_1   | 4    | 5.0       | 5.0  |
-| Q4_K   | 4    | 4.6       | 4.5  |
-| Q2_K   | 4    | 5.1       | 2.6  |
-| Q5_0   | 6    | 6.5       | 5.5  |
-| Q5_1   | 6    | 7.0       | 6.0  |
-| Q5_K   | 6    | 6.6       | 5.5  |
-| Q6_K   | 6    | 6.6       | 6.6  |
-| Q8_0   | 8    | 8.5       | 8.5  |
-| IQ4_NL | 4 (levels) | 4.5 | 4.5  |
-| IQ4_XS | 4 (levels) | 4.3 | 4.25 |
-| Q3_K   | 4 (levels) | 4.6 | 3.4  |
+| type   | kept as             | bits in memory | in the file |
+|--------|---------------------|----------------|-------------|
+| Q2_K   | 2-bit               | 3.1            | 2.6         |
+| Q3_K   | 4-bit indices       | 4.6            | 3.4         |
+| Q4_0   | 4-bit               | 5.0            | 4.5         |
+| Q4_1   | 4-bit               | 5.0            | 5.0         |
+| Q4_K   | 4-bit               | 4.6            | 4.5         |
+| IQ4_NL | 4-bit indices       | 4.5            | 4.5         |
+| IQ4_XS | 4-bit indices       | 4.3            | 4.25        |
+| Q5_0   | 6-bit               | 6.5            | 5.5         |
+| Q5_1   | 6-bit               | 7.0            | 6.0         |
+| Q5_K   | 6-bit               | 6.6            | 5.5         |
+| Q6_K   | 6-bit               | 6.6            | 6.6         |
+| Q8_0   | 8-bit               | 8.5            | 8.5         |
 
 `matmul(x)` quantizes x's rows to int8 per 32 (as llama.cpp does), by default in two levels (the
 row, then what rounding left out), and sums each group in integers; the result differs from
@@ -90,7 +91,7 @@ class QuantizedMatrix:
     mn: torch.Tensor | None
     group_size: int
     groups_per_super: int
-    bits: int                      # 4, 6 or 8: how the quants are packed
+    bits: int                      # 2, 4, 6 or 8: how the quants are packed
     shift: int = 0                 # 6-bit quants are kept as q + shift (0..63)
     type_name: str = ""
     span: int = 0                  # int32_span's chunks
@@ -114,7 +115,9 @@ class QuantizedMatrix:
         largest = max(-low, high) if levels is None else int(levels.to(torch.int16).abs().max())
         if levels is None and signed and -8 <= low and high < 8:  # Q3_K's -4..3: indices of the levels -8..7
             levels, q = SIGNED_NIBBLES, (q + 8).to(torch.uint8)
-        if levels is not None or (not signed and high < 16):
+        if levels is None and not signed and high < 4:  # Q2_K's 0..3
+            bits, shift = 2, 0
+        elif levels is not None or (not signed and high < 16):
             bits, shift = 4, 0
         elif -32 <= low and high < (32 if signed else 64):  # Q6_K's -32..31, Q5_K's 0..31 (and fewer bits)
             bits, shift = 6, 32 if signed else 0
@@ -122,6 +125,10 @@ class QuantizedMatrix:
             bits, shift = 8, 0
         if bits == 8:
             q = q.view(torch.int8).view(blocks, LANES, chunks, 8, 4).permute(0, 2, 3, 1, 4)
+        elif bits == 2:  # k = 8s + 4t + i at bits 2s, 2s + 1 of row t
+            crumbs = q.view(blocks, LANES, chunks, 4, 2, 4)  # (.., s, t, i)
+            packed = crumbs[:, :, :, 0] | (crumbs[:, :, :, 1] << 2) | (crumbs[:, :, :, 2] << 4) | (crumbs[:, :, :, 3] << 6)
+            q = packed.permute(0, 2, 3, 1, 4)
         else:
             u = (q.to(torch.int16) + shift).to(torch.uint8).view(blocks, LANES, chunks, CHUNK)
             halves = (u & 15).view(blocks, LANES, chunks, 2, 4, 4)  # (.., low/high half, quad, i)
@@ -148,7 +155,9 @@ class QuantizedMatrix:
         flat = ids.reshape(-1).long()
         block, lane = flat // LANES, flat % LANES
         q = self.quants[block, :, :, lane]  # (n, chunks, quads, 4)
-        if self.bits != 8:
+        if self.bits == 2:
+            q = torch.stack([(q >> (2 * s)) & 3 for s in range(4)], dim=2)  # (n, chunks, s, t, 4)
+        elif self.bits != 8:
             nibbles = q[:, :, :4]
             q = torch.stack((nibbles & 15, nibbles >> 4), dim=2)  # (n, chunks, half, quad, 4)
             if self.bits == 6:

@@ -17,6 +17,8 @@
                                                  high nibble k = 32c + 16 + 4t + i
      6-bit:  [blocks, in/32, 6 quads, LANES, 4] bytes: quads 0-3 the low 4 bits as 4-bit's, quads
              4 and 5 the top 2 bits of k = 32c + 16h + 4t + i (h = 0, 1) in bits 2t, 2t + 1
+     2-bit:  [blocks, in/32, 2 rows, LANES, 4] bytes: bits 2s, 2s + 1 of row t's hold
+             k = 32c + 8s + 4t + i (s = 0..3), so quad 2s + t is one shift of one load
    A 6-bit quant is stored as u = q + shift (0..63: Q6_K's signed -32..31 with shift 32, Q5_K's
    0..31 with shift 0), and the loops subtract shift * (the sum of xq over the group) from u . xq.
    A part with a `table` keeps 4-bit indices of its 16 int8 values instead (IQ4's non-linear levels,
@@ -163,6 +165,31 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                         }
                     }
             }
+        } else if (BITS == 2) {
+            /* 16-bit sums hold a whole chunk: 8 quads x 2 products x 3 x 127 < 2^15. Quads 0-3
+               (s = 0, 1) are k 0-15, quads 4-7 k 16-31: a 16-wide group's sums kept apart. */
+            const __m256i low2 = _mm256_set1_epi8(3);
+            __m256i pairs[2][4][2];
+            for (int v = 0; v < LEVELS; v++)
+                for (int r = 0; r < MT; r++) pairs[v][r][0] = pairs[v][r][1] = _mm256_setzero_si256();
+            const uint8_t *p = a->q + (b * a->chunks + c) * (CHUNK / 4) * LANES;
+            for (int t = 0; t < 2; t++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(p + t * 32));
+                for (int s = 0; s < 4; s++) {
+                    const __m256i u = _mm256_and_si256(_mm256_srli_epi16(w, 2 * s), low2);
+                    for (int v = 0; v < LEVELS; v++)
+                        for (int r = 0; r < MT; r++) {
+                            const int h = GS == 16 ? s / 2 : 0;
+                            pairs[v][r][h] = _mm256_add_epi16(pairs[v][r][h],
+                                                              _mm256_maddubs_epi16(u, broadcast4(xq[v][r] + 8 * s + 4 * t)));
+                        }
+                }
+            }
+            for (int r = 0; r < MT; r++)
+                for (int h = 0; h < CHUNK / GS; h++) {
+                    dot[0][r][h] = _mm256_madd_epi16(pairs[0][r][h], first);
+                    if (LEVELS == 2) dot[0][r][h] = _mm256_add_epi32(dot[0][r][h], _mm256_madd_epi16(pairs[1][r][h], ones));
+                }
         } else if (BITS == 4) {
             /* 16-bit sums hold a whole chunk: 4 quads x 2 nibbles x 2 products x 15 x 127 < 2^15.
                The low nibbles are k 0-15, the high k 16-31: a 16-wide group's sums kept apart. */
@@ -245,7 +272,11 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                         int32_t dot = 0;
                         for (int k = h * GS; k < (h + 1) * GS; k++) {
                             int q;
-                            if (BITS == 4 || BITS == 6) {
+                            if (BITS == 2) {
+                                const int64_t at = (b * a->chunks + c) * 2 * 32;  /* 2 rows of 32 bytes */
+                                const int quad = k / 4;  /* 2s + t */
+                                q = (a->q[at + (quad % 2) * 32 + l * 4 + k % 4] >> (2 * (quad / 2))) & 3;
+                            } else if (BITS == 4 || BITS == 6) {
                                 const int64_t at = (b * a->chunks + c) * BITS * 32;  /* BITS quads of 32 bytes */
                                 const uint8_t byte = a->q[at + (k % 16 / 4) * 32 + l * 4 + k % 4];
                                 q = k < 16 ? byte & 15 : byte >> 4;
@@ -288,6 +319,8 @@ static inline void format_block(const Args *a, const Part *p, int64_t b, int64_t
     #define BY_FORMAT(LEVELS) \
         if (p->table && p->gs == 16) block(a, b, rows, 16, 4, LEVELS, 1); \
         else if (p->table) block(a, b, rows, 32, 4, LEVELS, 1); \
+        else if (p->bits == 2 && p->gs == 16) block(a, b, rows, 16, 2, LEVELS, 0); \
+        else if (p->bits == 2) block(a, b, rows, 32, 2, LEVELS, 0); \
         else if (p->bits == 4 && p->gs == 16) block(a, b, rows, 16, 4, LEVELS, 0); \
         else if (p->bits == 4) block(a, b, rows, 32, 4, LEVELS, 0); \
         else if (p->bits == 6 && p->gs == 16) block(a, b, rows, 16, 6, LEVELS, 0); \

@@ -138,6 +138,9 @@ static inline __attribute__((always_inline)) __m256i quad(const Part *p, int64_t
     const __m256i low4 = _mm256_set1_epi8(15);
     if (BITS == 8) return _mm256_loadu_si256((const __m256i *)((const int8_t *)p->q + ((b * chunks + c) * 8 + t) * 32));
     const uint8_t *at = p->q + (b * chunks + c) * BITS * 32;
+    if (BITS == 2)  /* quad t = 2s + r: bits 2s, 2s + 1 of row r */
+        return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(at + (t & 1) * 32)), 2 * (t >> 1)),
+                                _mm256_set1_epi8(3));
     const __m256i w = _mm256_loadu_si256((const __m256i *)(at + (t & 3) * 32));
     __m256i u = t < 4 ? _mm256_and_si256(w, low4) : _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
     if (TABLE) u = _mm256_shuffle_epi8(table, u);
@@ -165,8 +168,9 @@ static inline __attribute__((always_inline)) void unpack_bits(const Batch *a, in
             _Pragma("GCC unroll 8")
             for (int t = 0; t < 8; t++) {
                 const __m256i q = _mm256_shuffle_epi8(quad(a->p, a->chunks, b + i, c, t, BITS, TABLE, table), pick);
-                /* the high bytes: 0 for the 4-bit quants (0..15), the sign of the others */
-                const __m256i high = BITS == 4 && !TABLE ? _mm256_setzero_si256() : _mm256_cmpgt_epi8(_mm256_setzero_si256(), q);
+                /* the high bytes: 0 for the 2- and 4-bit quants (0..3, 0..15), the sign of the others */
+                const __m256i high = BITS == 2 || (BITS == 4 && !TABLE) ? _mm256_setzero_si256()
+                                                                        : _mm256_cmpgt_epi8(_mm256_setzero_si256(), q);
                 int16_t *out = w + ((c - c0) * PAIRS + 2 * t) * nb * 16 + i * 16;
                 _mm256_store_si256((__m256i *)out, _mm256_unpacklo_epi8(q, high));
                 _mm256_store_si256((__m256i *)(out + nb * 16), _mm256_unpackhi_epi8(q, high));
@@ -258,7 +262,7 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
                     _mm512_castsi256_si512(quad(a->p, a->chunks, b + i, c, t, BITS, 0, _mm256_setzero_si256())), pick,
                     _mm512_castsi256_si512(quad(a->p, a->chunks, b + i + 1, c, t, BITS, 0, _mm256_setzero_si256())));
                 int16_t *out = w + ((c - c0) * PAIRS + 2 * t) * nb * 16 + i * 16;
-                /* 6- and 8-bit quants: signed */
+                /* 6- and 8-bit quants: signed (2-bit ones 0..3) */
                 __m512i k01 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(both));
                 __m512i k23 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(both, 1));
                 if (FOLD) k01 = _mm512_mullo_epi16(k01, factors[t / 4]), k23 = _mm512_mullo_epi16(k23, factors[t / 4]);
@@ -271,6 +275,7 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
 static inline __attribute__((always_inline)) void unpack_pairs(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n,
                                                                int16_t *w, const int FOLD) {
     if (a->p->table) unpack_pairs_bits(a, b, nb, c0, n, w, 4, FOLD, 1);
+    else if (a->p->bits == 2) unpack_pairs_bits(a, b, nb, c0, n, w, 2, FOLD, 0);
     else if (a->p->bits == 4) unpack_pairs_bits(a, b, nb, c0, n, w, 4, FOLD, 0);
     else if (a->p->bits == 6) unpack_pairs_bits(a, b, nb, c0, n, w, 6, FOLD, 0);
     else unpack_pairs_bits(a, b, nb, c0, n, w, 8, FOLD, 0);
@@ -288,6 +293,7 @@ static void unpack(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n, int
 #endif
     (void)fold;
     if (a->p->table) unpack_bits(a, b, nb, c0, n, w, 4, 1);
+    else if (a->p->bits == 2) unpack_bits(a, b, nb, c0, n, w, 2, 0);
     else if (a->p->bits == 4) unpack_bits(a, b, nb, c0, n, w, 4, 0);
     else if (a->p->bits == 6) unpack_bits(a, b, nb, c0, n, w, 6, 0);
     else unpack_bits(a, b, nb, c0, n, w, 8, 0);
