@@ -61,7 +61,8 @@ def int32_span(largest_quant: int, sc: torch.Tensor | None, columns: int, chunks
     factor sc multiplied into the weights (qmatmul_batch.c): the most of 4, 2, 1 whose sum of
     largest |q| * largest |sc| * X_LIMIT cannot overflow, within one super-block (one f16 factor)
     and one span of activations; 0 where the factors stay apart (no sc, or rows that do not divide
-    into spans). Q4_K: 4 (15 x 63), Q5_K: 2 (31 x 63), Q6_K: 1 (32 x 128)."""
+    into spans). Q4_K: 4 (15 x 63), Q5_K: 2 (31 x 63), Q6_K: 1 (32 x 128), Q2_K: 4 (3 x 15), Q3_K: 4
+    (4 x 32), IQ4_XS: 1 (127 x 32)."""
     if sc is None or columns % SPAN_VALUES or not sc.numel():
         return 0
     largest = largest_quant * int(sc.to(torch.int16).abs().max())
