@@ -19,8 +19,8 @@ from tests.test_gguf_formats import T, random_tensor
 OUT = 37  # not a multiple of the 8-feature blocks: the padding path too
 # how each format's quants are packed in memory (matrix.py's table)
 BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q2_K: 2, T.Q5_0: 6, T.Q5_1: 6, T.Q5_K: 6, T.Q6_K: 6, T.Q8_0: 8,
-        T.IQ4_NL: 4, T.IQ4_XS: 4, T.Q3_K: 4}
-TABLED = (T.IQ4_NL, T.IQ4_XS, T.Q3_K)  # 4-bit indices of 16 int8 values
+        T.IQ4_NL: 4, T.IQ4_XS: 4, T.Q3_K: 3}
+TABLED = (T.IQ4_NL, T.IQ4_XS)  # 4-bit indices of 16 int8 values
 BATCH_ROWS = native_abi.CONSTANTS["BATCH_ROWS"]  # from this many rows (two levels) the batch loops take a product
 
 

@@ -2,17 +2,16 @@
 
 `QuantizedMatrix.of(groups)` lays a tensor's groups (engine/worker/loading/gguf_formats.unpack) out as
 the C loops in qmatmul.c read them (the layout is described there): quants in blocks of 8 output
-features, Q2_K's 2-bit quants four to a byte, 4-bit formats (Q4_0, Q4_1, Q4_K) two to a byte, 5-
-and 6-bit ones (Q5_0, Q5_1, Q5_K, Q6_K) in 6 bits, Q8_0 one to an int8, and the formats' own
-scale factors beside them. Quants that stand for 16 int8 values, the IQ4 formats' non-linear
-levels and Q3_K's signed -4..3 (as levels -8..7), are kept as 4-bit indices with the 16 values
-beside them (the loops look them up with a byte shuffle, as llama.cpp's do). Memory per weight,
-against the file's:
+features, Q2_K's 2-bit quants four to a byte, Q3_K's in 3 bits (as q + 4), 4-bit formats (Q4_0,
+Q4_1, Q4_K) two to a byte, 5- and 6-bit ones (Q5_0, Q5_1, Q5_K, Q6_K) in 6 bits, Q8_0 one to an
+int8, and the formats' own scale factors beside them. The IQ4 formats' quants, indices of 16
+non-linear int8 levels, are kept as 4-bit indices with the levels beside them (the loops look
+them up with a byte shuffle, as llama.cpp's do). Memory per weight, against the file's:
 
 | type   | kept as             | bits in memory | in the file |
 |--------|---------------------|----------------|-------------|
 | Q2_K   | 2-bit               | 3.1            | 2.6         |
-| Q3_K   | 4-bit indices       | 4.6            | 3.4         |
+| Q3_K   | 3-bit               | 3.6            | 3.4         |
 | Q4_0   | 4-bit               | 5.0            | 4.5         |
 | Q4_1   | 4-bit               | 5.0            | 5.0         |
 | Q4_K   | 4-bit               | 4.6            | 4.5         |
@@ -53,7 +52,6 @@ if TYPE_CHECKING:  # the engine imports this module; the gguf package is needed 
 # into them), rounded to at most X_LIMIT in magnitude
 LANES, CHUNK, SPAN_VALUES, X_LIMIT = (native_abi.CONSTANTS[name] for name in ("LANES", "CHUNK", "SPAN_VALUES", "X_LIMIT"))
 LEVELS = 2  # the activations' int8 levels by default (and in the native lone step): see the docstring
-SIGNED_NIBBLES = torch.arange(-8, 8, dtype=torch.int8)  # the levels of signed 4-bit quants, kept as q + 8
 
 
 def int32_span(largest_quant: int, sc: torch.Tensor | None, columns: int, chunks_per_super: int) -> int:
@@ -92,8 +90,8 @@ class QuantizedMatrix:
     mn: torch.Tensor | None
     group_size: int
     groups_per_super: int
-    bits: int                      # 2, 4, 6 or 8: how the quants are packed
-    shift: int = 0                 # 6-bit quants are kept as q + shift (0..63)
+    bits: int                      # 2, 3, 4, 6 or 8: how the quants are packed
+    shift: int = 0                 # 3- and 6-bit quants are kept as q + shift (0..7, 0..63)
     type_name: str = ""
     span: int = 0                  # int32_span's chunks
     table: torch.Tensor | None = None  # int8 (16,): 4-bit quants are indices of these levels
@@ -114,10 +112,10 @@ class QuantizedMatrix:
         low, high = (int(q.min()), int(q.max())) if q.numel() else (0, 0)
         signed, levels = q.dtype == torch.int8, groups.levels
         largest = max(-low, high) if levels is None else int(levels.to(torch.int16).abs().max())
-        if levels is None and signed and -8 <= low and high < 8:  # Q3_K's -4..3: indices of the levels -8..7
-            levels, q = SIGNED_NIBBLES, (q + 8).to(torch.uint8)
         if levels is None and not signed and high < 4:  # Q2_K's 0..3
             bits, shift = 2, 0
+        elif levels is None and signed and -4 <= low and high < 4:  # Q3_K's -4..3
+            bits, shift = 3, 4
         elif levels is not None or (not signed and high < 16):
             bits, shift = 4, 0
         elif -32 <= low and high < (32 if signed else 64):  # Q6_K's -32..31, Q5_K's 0..31 (and fewer bits)
@@ -126,10 +124,15 @@ class QuantizedMatrix:
             bits, shift = 8, 0
         if bits == 8:
             q = q.view(torch.int8).view(blocks, LANES, chunks, 8, 4).permute(0, 2, 3, 1, 4)
-        elif bits == 2:  # k = 8s + 4t + i at bits 2s, 2s + 1 of row t
-            crumbs = q.view(blocks, LANES, chunks, 4, 2, 4)  # (.., s, t, i)
-            packed = crumbs[:, :, :, 0] | (crumbs[:, :, :, 1] << 2) | (crumbs[:, :, :, 2] << 4) | (crumbs[:, :, :, 3] << 6)
-            q = packed.permute(0, 2, 3, 1, 4)
+        elif bits in (2, 3):  # k = 8s + 4t + i at bits 2s, 2s + 1 of row t (3 bits: its top bit at bit 2s + t of row 2)
+            u = (q.to(torch.int16) + shift).to(torch.uint8).view(blocks, LANES, chunks, 4, 2, 4)  # (.., s, t, i)
+            crumbs = u & 3
+            rows = crumbs[:, :, :, 0] | (crumbs[:, :, :, 1] << 2) | (crumbs[:, :, :, 2] << 4) | (crumbs[:, :, :, 3] << 6)
+            if bits == 3:
+                top = (u >> 2).reshape(blocks, LANES, chunks, 8, 4)  # (.., quad 2s + t, i)
+                plane = sum(top[:, :, :, quad] << quad for quad in range(8)).to(torch.uint8)
+                rows = torch.cat((rows, plane.unsqueeze(3)), dim=3)
+            q = rows.permute(0, 2, 3, 1, 4)
         else:
             u = (q.to(torch.int16) + shift).to(torch.uint8).view(blocks, LANES, chunks, CHUNK)
             halves = (u & 15).view(blocks, LANES, chunks, 2, 4, 4)  # (.., low/high half, quad, i)
@@ -156,8 +159,12 @@ class QuantizedMatrix:
         flat = ids.reshape(-1).long()
         block, lane = flat // LANES, flat % LANES
         q = self.quants[block, :, :, lane]  # (n, chunks, quads, 4)
-        if self.bits == 2:
-            q = torch.stack([(q >> (2 * s)) & 3 for s in range(4)], dim=2)  # (n, chunks, s, t, 4)
+        if self.bits in (2, 3):
+            crumbs = torch.stack([(q[:, :, :2] >> (2 * s)) & 3 for s in range(4)], dim=2)  # (n, chunks, s, t, 4)
+            if self.bits == 3:  # the top bit of quad 2s + t
+                top = torch.stack([(q[:, :, 2] >> quad) & 1 for quad in range(8)], dim=2).view(crumbs.shape)
+                crumbs = (crumbs | (top << 2)).to(torch.int16) - self.shift
+            q = crumbs
         elif self.bits != 8:
             nibbles = q[:, :, :4]
             q = torch.stack((nibbles & 15, nibbles >> 4), dim=2)  # (n, chunks, half, quad, 4)

@@ -19,10 +19,13 @@
              4 and 5 the top 2 bits of k = 32c + 16h + 4t + i (h = 0, 1) in bits 2t, 2t + 1
      2-bit:  [blocks, in/32, 2 rows, LANES, 4] bytes: bits 2s, 2s + 1 of row t's hold
              k = 32c + 8s + 4t + i (s = 0..3), so quad 2s + t is one shift of one load
+     3-bit:  [blocks, in/32, 3 rows, LANES, 4] bytes: rows 0 and 1 the low 2 bits as 2-bit's, row 2
+             the top bit of quad T (k = 32c + 4T + i) at bit T
    A 6-bit quant is stored as u = q + shift (0..63: Q6_K's signed -32..31 with shift 32, Q5_K's
-   0..31 with shift 0), and the loops subtract shift * (the sum of xq over the group) from u . xq.
-   A part with a `table` keeps 4-bit indices of its 16 int8 values instead (IQ4's non-linear levels,
-   Q3_K's -8..7): a quant is table[index].
+   0..31 with shift 0), a 3-bit one too (Q3_K's -4..3 with shift 4), and the loops subtract
+   shift * (the sum of xq over the group) from u . xq.
+   A part with a `table` keeps 4-bit indices of its 16 int8 values instead (IQ4's non-linear
+   levels): a quant is table[index].
 
    Activations. Row r's 32 values of chunk c become xq = round(x / dx), dx = max|x| / 127 (as
    llama.cpp's q8 rows), and with two levels also what that left out, in steps FINER times finer
@@ -77,6 +80,26 @@ static inline __m256 load_factor(const Args *a, const half_bits *per_super, cons
 
 static inline __m256i broadcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
+/* dot (rows r0 .. r0+MT-1 of chunk c, each half's sums of u . xq) less shift x each half's sum of
+   xq (both levels', as the sums count them); then, for a 32-wide group, the halves as one sum. */
+static inline __attribute__((always_inline)) void remove_shift(const Args *a, __m256i dot[4][2], int64_t r0, int64_t c,
+                                                               const int MT, const int GS, const int LEVELS) {
+    const int64_t level_stride = a->rows * a->chunks;
+    for (int r = 0; r < MT; r++) {
+        if (a->shift) {
+            const int32_t *sums = a->xqsum + ((r0 + r) * a->chunks + c) * 2;
+            int32_t sum0 = sums[0], sum1 = sums[1];
+            if (LEVELS == 2) {
+                const int32_t *fine = sums + level_stride * 2;
+                sum0 = sum0 * FINER + fine[0], sum1 = sum1 * FINER + fine[1];
+            }
+            dot[r][0] = _mm256_sub_epi32(dot[r][0], _mm256_set1_epi32(a->shift * sum0));
+            dot[r][1] = _mm256_sub_epi32(dot[r][1], _mm256_set1_epi32(a->shift * sum1));
+        }
+        if (GS == 32) dot[r][0] = _mm256_add_epi32(dot[r][0], dot[r][1]);
+    }
+}
+
 
 /* Lane block b's outputs for rows r0 .. r0+MT-1; MT, GS, BITS, LEVELS, TABLE (4-bit indices of
    a->table) are constants at each call. Level 1 is the rounded row, level 2 (when LEVELS is 2)
@@ -125,19 +148,34 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                             _mm256_maddubs_epi16(hi[1], broadcast4(xq[v][r] + 20 + 4 * t))), v ? ones : first));
                     }
             }
-            for (int r = 0; r < MT; r++) {
-                if (a->shift) {
-                    const int32_t *sums = a->xqsum + ((r0 + r) * a->chunks + c) * 2;
-                    int32_t sum0 = sums[0], sum1 = sums[1];
-                    if (LEVELS == 2) {
-                        const int32_t *fine = sums + level_stride * 2;
-                        sum0 = sum0 * FINER + fine[0], sum1 = sum1 * FINER + fine[1];
-                    }
-                    dot[0][r][0] = _mm256_sub_epi32(dot[0][r][0], _mm256_set1_epi32(a->shift * sum0));
-                    dot[0][r][1] = _mm256_sub_epi32(dot[0][r][1], _mm256_set1_epi32(a->shift * sum1));
+            remove_shift(a, dot[0], r0, c, MT, GS, LEVELS);
+        } else if (BITS == 3) {
+            /* u = q + shift (0..7): 16-bit sums hold a whole chunk, 8 quads x 2 products x 7 x
+               127 < 2^15, each half's apart (quads 0-3 are k 0-15) for the shift's sums. */
+            const __m256i low2 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
+            __m256i pairs[2][4][2];
+            for (int v = 0; v < LEVELS; v++)
+                for (int r = 0; r < MT; r++) pairs[v][r][0] = pairs[v][r][1] = _mm256_setzero_si256();
+            const uint8_t *p = a->q + (b * a->chunks + c) * (CHUNK * 3 / 8) * LANES;
+            const __m256i plane = _mm256_loadu_si256((const __m256i *)(p + 64));
+            for (int t = 0; t < 2; t++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(p + t * 32));
+                for (int s = 0; s < 4; s++) {
+                    const int quad = 2 * s + t;  /* its top bit from bit `quad` to bit 2 (the mask drops what crosses bytes) */
+                    const __m256i top = quad >= 2 ? _mm256_srli_epi16(plane, quad - 2) : _mm256_slli_epi16(plane, 2 - quad);
+                    const __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 2 * s), low2), _mm256_and_si256(top, bit2));
+                    for (int v = 0; v < LEVELS; v++)
+                        for (int r = 0; r < MT; r++)
+                            pairs[v][r][s / 2] = _mm256_add_epi16(pairs[v][r][s / 2],
+                                                                  _mm256_maddubs_epi16(u, broadcast4(xq[v][r] + 8 * s + 4 * t)));
                 }
-                if (GS == 32) dot[0][r][0] = _mm256_add_epi32(dot[0][r][0], dot[0][r][1]);
             }
+            for (int r = 0; r < MT; r++)
+                for (int h = 0; h < 2; h++) {
+                    dot[0][r][h] = _mm256_madd_epi16(pairs[0][r][h], first);
+                    if (LEVELS == 2) dot[0][r][h] = _mm256_add_epi32(dot[0][r][h], _mm256_madd_epi16(pairs[1][r][h], ones));
+                }
+            remove_shift(a, dot[0], r0, c, MT, GS, LEVELS);
         } else if (BITS == 4 && TABLE) {
             /* The indices' values by a byte shuffle of the table (in both 128-bit lanes), then
                multiplied as 8-bit quants are: |value| x (x with value's sign). A product pair's
@@ -272,10 +310,11 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                         int32_t dot = 0;
                         for (int k = h * GS; k < (h + 1) * GS; k++) {
                             int q;
-                            if (BITS == 2) {
-                                const int64_t at = (b * a->chunks + c) * 2 * 32;  /* 2 rows of 32 bytes */
+                            if (BITS == 2 || BITS == 3) {
+                                const int64_t at = (b * a->chunks + c) * BITS * 32;  /* BITS rows of 32 bytes */
                                 const int quad = k / 4;  /* 2s + t */
                                 q = (a->q[at + (quad % 2) * 32 + l * 4 + k % 4] >> (2 * (quad / 2))) & 3;
+                                if (BITS == 3) q = (q | ((a->q[at + 64 + l * 4 + k % 4] >> quad) & 1) << 2) - a->shift;
                             } else if (BITS == 4 || BITS == 6) {
                                 const int64_t at = (b * a->chunks + c) * BITS * 32;  /* BITS quads of 32 bytes */
                                 const uint8_t byte = a->q[at + (k % 16 / 4) * 32 + l * 4 + k % 4];
@@ -321,6 +360,8 @@ static inline void format_block(const Args *a, const Part *p, int64_t b, int64_t
         else if (p->table) block(a, b, rows, 32, 4, LEVELS, 1); \
         else if (p->bits == 2 && p->gs == 16) block(a, b, rows, 16, 2, LEVELS, 0); \
         else if (p->bits == 2) block(a, b, rows, 32, 2, LEVELS, 0); \
+        else if (p->bits == 3 && p->gs == 16) block(a, b, rows, 16, 3, LEVELS, 0); \
+        else if (p->bits == 3) block(a, b, rows, 32, 3, LEVELS, 0); \
         else if (p->bits == 4 && p->gs == 16) block(a, b, rows, 16, 4, LEVELS, 0); \
         else if (p->bits == 4) block(a, b, rows, 32, 4, LEVELS, 0); \
         else if (p->bits == 6 && p->gs == 16) block(a, b, rows, 16, 6, LEVELS, 0); \

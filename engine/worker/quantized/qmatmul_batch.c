@@ -138,9 +138,14 @@ static inline __attribute__((always_inline)) __m256i quad(const Part *p, int64_t
     const __m256i low4 = _mm256_set1_epi8(15);
     if (BITS == 8) return _mm256_loadu_si256((const __m256i *)((const int8_t *)p->q + ((b * chunks + c) * 8 + t) * 32));
     const uint8_t *at = p->q + (b * chunks + c) * BITS * 32;
-    if (BITS == 2)  /* quad t = 2s + r: bits 2s, 2s + 1 of row r */
-        return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(at + (t & 1) * 32)), 2 * (t >> 1)),
-                                _mm256_set1_epi8(3));
+    if (BITS == 2 || BITS == 3) {  /* quad t = 2s + r: bits 2s, 2s + 1 of row r (and with 3 bits its top bit at bit t of row 2) */
+        const __m256i crumbs = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(at + (t & 1) * 32)), 2 * (t >> 1)),
+                                                _mm256_set1_epi8(3));
+        if (BITS == 2) return crumbs;
+        const __m256i plane = _mm256_loadu_si256((const __m256i *)(at + 64));
+        const __m256i top = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(plane, t - 2) : _mm256_slli_epi16(plane, 2 - t), _mm256_set1_epi8(4));
+        return _mm256_sub_epi8(_mm256_or_si256(crumbs, top), _mm256_set1_epi8((char)p->shift));
+    }
     const __m256i w = _mm256_loadu_si256((const __m256i *)(at + (t & 3) * 32));
     __m256i u = t < 4 ? _mm256_and_si256(w, low4) : _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
     if (TABLE) u = _mm256_shuffle_epi8(table, u);
@@ -262,7 +267,7 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
                     _mm512_castsi256_si512(quad(a->p, a->chunks, b + i, c, t, BITS, 0, _mm256_setzero_si256())), pick,
                     _mm512_castsi256_si512(quad(a->p, a->chunks, b + i + 1, c, t, BITS, 0, _mm256_setzero_si256())));
                 int16_t *out = w + ((c - c0) * PAIRS + 2 * t) * nb * 16 + i * 16;
-                /* 6- and 8-bit quants: signed (2-bit ones 0..3) */
+                /* 3-, 6- and 8-bit quants: signed (2-bit ones 0..3) */
                 __m512i k01 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(both));
                 __m512i k23 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(both, 1));
                 if (FOLD) k01 = _mm512_mullo_epi16(k01, factors[t / 4]), k23 = _mm512_mullo_epi16(k23, factors[t / 4]);
@@ -276,6 +281,7 @@ static inline __attribute__((always_inline)) void unpack_pairs(const Batch *a, i
                                                                int16_t *w, const int FOLD) {
     if (a->p->table) unpack_pairs_bits(a, b, nb, c0, n, w, 4, FOLD, 1);
     else if (a->p->bits == 2) unpack_pairs_bits(a, b, nb, c0, n, w, 2, FOLD, 0);
+    else if (a->p->bits == 3) unpack_pairs_bits(a, b, nb, c0, n, w, 3, FOLD, 0);
     else if (a->p->bits == 4) unpack_pairs_bits(a, b, nb, c0, n, w, 4, FOLD, 0);
     else if (a->p->bits == 6) unpack_pairs_bits(a, b, nb, c0, n, w, 6, FOLD, 0);
     else unpack_pairs_bits(a, b, nb, c0, n, w, 8, FOLD, 0);
@@ -294,6 +300,7 @@ static void unpack(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n, int
     (void)fold;
     if (a->p->table) unpack_bits(a, b, nb, c0, n, w, 4, 1);
     else if (a->p->bits == 2) unpack_bits(a, b, nb, c0, n, w, 2, 0);
+    else if (a->p->bits == 3) unpack_bits(a, b, nb, c0, n, w, 3, 0);
     else if (a->p->bits == 4) unpack_bits(a, b, nb, c0, n, w, 4, 0);
     else if (a->p->bits == 6) unpack_bits(a, b, nb, c0, n, w, 6, 0);
     else unpack_bits(a, b, nb, c0, n, w, 8, 0);
