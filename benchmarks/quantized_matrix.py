@@ -30,7 +30,8 @@ from engine.worker.loading import gguf_formats  # noqa: E402
 from engine.worker.quantized.matrix import QuantizedMatrix, matmul  # noqa: E402
 
 # Where each format's f16 factors sit in its block: random bytes there could be inf or NaN.
-F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def random_matrix(name: str, out_features: int, in_features: int, seed: int = 0) -> QuantizedMatrix:

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from engine import LLM, SamplingParams
@@ -53,10 +53,10 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path, private_cache):
     assert not private_cache.exists()  # refused before anything was read into the cache
 
 
-@pytest.mark.parametrize("qtype", [T.Q5_0, T.IQ4_NL])
+@pytest.mark.parametrize("qtype", [T.Q8_1, T.IQ2_XXS])
 def test_unsupported_tensor_type_is_refused_naming_the_tensor(tmp_path, private_cache, qtype):
     weights = np.random.default_rng(0).standard_normal((8, 32), dtype=np.float32)
-    raw = quantize(weights, qtype) if qtype == T.Q5_0 else np.zeros((8, 18), np.uint8)  # IQ4_NL: 18 bytes a block
+    raw = np.zeros((8, GGML_QUANT_SIZES[qtype][1]), np.uint8)  # a block a row
     path = write_gguf(tmp_path / f"odd-{qtype.name}.gguf", "llama",
                       [("token_embd.weight", weights, T.F32), ("blk.0.attn_q.weight", raw, qtype)])
     with pytest.raises(UnsupportedModelError, match=f"'blk.0.attn_q.weight'.*{qtype.name}"):
@@ -79,7 +79,10 @@ def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
 QUANTIZED = ("token_embd", "ffn_gate", "ffn_up", "ffn_down", "attn_output")  # in Q8_0; the rest in F32
 
 
-def tiny_llama_tensors(hf_model):
+def tiny_llama_tensors(hf_model, qtype: GGMLQuantizationType = T.Q8_0, encode=None):
+    """The model's tensors by GGUF name, those named in QUANTIZED in `qtype` (`encode`d: by
+    default gguf.quants.quantize), the rest in F32."""
+    encode = encode or (lambda weights: quantize(weights, qtype))
     config = hf_model.config
     state = {name: t.detach().float().numpy() for name, t in hf_model.state_dict().items()}
     tensors = [("token_embd.weight", state["model.embed_tokens.weight"]), ("output_norm.weight", state["model.norm.weight"])]
@@ -91,7 +94,7 @@ def tiny_llama_tensors(hf_model):
             elif gguf_name == "attn_k":
                 weights = llama_cpp_permute(weights, config.num_key_value_heads)
             tensors.append((f"blk.{layer}.{gguf_name}.weight", weights))
-    return [(name, quantize(w, T.Q8_0), T.Q8_0) if name.split(".")[-2] in QUANTIZED else (name, w, T.F32)
+    return [(name, encode(w), qtype) if name.split(".")[-2] in QUANTIZED else (name, w, T.F32)
             for name, w in tensors]
 
 

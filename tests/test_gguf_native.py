@@ -4,24 +4,27 @@ dequantized computes; the option is checked at the edge; `python -m engine.serve
 start on a GGUF path, answer, and say which file and type they run."""
 from __future__ import annotations
 
+import itertools
 import uuid
 
 import httpx
 import pytest
 import torch
 from engine_servers import EngineServer
+from gguf import GGML_QUANT_SIZES
 from gradio_client import Client
 from openai import OpenAI
 from served_app import served_chat
 from waiting import DEADLINE_S
 
 from engine.worker.loading import quantization_choice
-from engine.worker.loading.gguf_file import load_model
+from engine.worker.loading.gguf_file import inspect_gguf, load_model
 from engine.worker.loading.quantization_choice import resolve_quantization
 from engine.worker.models.llama import LlamaModel
 from engine.worker.models.layers.quantized_linear import QuantizedLinear
 from engine.worker.quantized.matrix import QuantizedMatrix
 from tests.test_gguf_file import QUANTIZED, T, tiny_llama_tensors, write_gguf
+from tests.test_gguf_formats import random_tensor
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 LABEL = "SmolLM2-135M-Instruct.Q4_1.gguf · Q4_1, quantized (native)"
@@ -56,6 +59,61 @@ def test_the_tiny_llama_kept_quantized_computes_what_it_dequantized_computes(tmp
     assert (ours - theirs).abs().max() < 1e-3 * theirs.abs().max()
     from benchmarks.gguf_quality import stepwise_logits  # gguf_quality.py's one-token-a-step pass: the same logits
     torch.testing.assert_close(stepwise_logits(native, ids[:12]), ours[:12], atol=1e-3 * float(theirs.abs().max()), rtol=0)
+
+
+# the types llama-quantize writes for common downloads beyond the first six: its fallbacks (Q5_0,
+# Q5_1, IQ4_NL) and the low-bit K-quants
+FALLBACK_AND_LOW_BIT = (T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS)
+
+
+@pytest.fixture(scope="module")
+def wide_hf():
+    """A 2-layer Llama whose rows are 256 and 512 wide (the K-quants' super-blocks), a small
+    vocabulary; its matrices are replaced by random blocks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, initializer_range=0.3)
+    return LlamaForCausalLM(config).eval()
+
+
+def greedy(model: LlamaModel, prompt: list[int], count: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(count):
+        ids.append(int(logits_of(model, ids)[-1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("qtype", FALLBACK_AND_LOW_BIT, ids=lambda t: t.name)
+def test_each_format_kept_quantized_decodes_as_it_dequantized_does(tmp_path, wide_hf, qtype):
+    """The embedding, the MLP and the attention output in `qtype` (random blocks), kept quantized:
+    the same greedy tokens, next-token choices and (within the activations' rounding) logits as
+    the file dequantized, through the batch loops (a prompt) and the int8 ones (a token a step)."""
+    seeds = itertools.count(1)
+    block_size = GGML_QUANT_SIZES[qtype][0]
+
+    def random_blocks(weights):
+        return random_tensor(qtype, weights.shape[0], next(seeds), blocks_per_row=weights.shape[1] // block_size)
+
+    path = write_gguf(tmp_path / f"wide-{qtype.name}.gguf", "llama", tiny_llama_tensors(wide_hf, qtype, random_blocks))
+    assert inspect_gguf(path).main_type == qtype.name
+    config = wide_hf.config
+    quantized = load_model(path, config, torch.float32, quantized=True)
+    kept = quantized.quantized_weights
+    assert len(kept) == 1 + 4 * config.num_hidden_layers
+    assert all(m.type_name == qtype.name for m in kept.values())
+    native = LlamaModel(quantized, torch.float32, torch.device("cpu"))
+    dense = LlamaModel(load_model(path, config, torch.float32), torch.float32, torch.device("cpu"))
+    assert native.quantized and not dense.quantized
+    ids = torch.randint(0, config.vocab_size, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours, theirs = logits_of(native, ids), logits_of(dense, ids)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    assert (ours - theirs).abs().max() < 1e-3 * theirs.abs().max()
+    from benchmarks.gguf_quality import stepwise_logits
+    torch.testing.assert_close(stepwise_logits(native, ids[:12]), ours[:12], atol=1e-3 * float(theirs.abs().max()), rtol=0)
+    assert greedy(native, ids[:4], 12) == greedy(dense, ids[:4], 12)
 
 
 def test_the_quantization_option_is_checked(tiny_model_dir, embedded_gguf, monkeypatch):

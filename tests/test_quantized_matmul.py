@@ -17,6 +17,10 @@ from engine.worker.quantized.matrix import CHUNK, SPAN_VALUES, X_LIMIT, Quantize
 from tests.test_gguf_formats import T, random_tensor
 
 OUT = 37  # not a multiple of the 8-feature blocks: the padding path too
+# how each format's quants are packed in memory (matrix.py's table)
+BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q2_K: 2, T.Q5_0: 6, T.Q5_1: 6, T.Q5_K: 6, T.Q6_K: 6, T.Q8_0: 8,
+        T.IQ4_NL: 4, T.IQ4_XS: 4, T.Q3_K: 3}
+TABLED = (T.IQ4_NL, T.IQ4_XS)  # 4-bit indices of 16 int8 values
 BATCH_ROWS = native_abi.CONSTANTS["BATCH_ROWS"]  # from this many rows (two levels) the batch loops take a product
 
 
@@ -33,7 +37,7 @@ def test_the_library_builds_and_loads():
 def test_rows_are_the_reference_weights(qtype):
     matrix, data = matrix_of(qtype)
     expected = torch.from_numpy(reference(data, qtype))
-    assert matrix.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 6 if qtype in (T.Q5_K, T.Q6_K) else 8)
+    assert matrix.bits == BITS[qtype] and (matrix.table is not None) == (qtype in TABLED)
     ids = torch.tensor([[5, 0], [36, 8]])
     # Q4_0's reference rounds d x (q - 8), the groups d x q - 8d: one rounding apart.
     tolerance = dict(rtol=1e-6, atol=1e-6) if qtype == T.Q4_0 else dict(rtol=0, atol=0)
@@ -138,33 +142,40 @@ def test_parts_in_different_formats_side_by_side(rows):
     torch.testing.assert_close(fused, torch.cat([matmul(x, [first]), matmul(x, [second])], dim=1), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("qtype, span", [(T.Q4_K, 4), (T.Q5_K, 2), (T.Q6_K, 1), (T.Q8_0, 0), (T.Q4_1, 0)],
+@pytest.mark.parametrize("qtype, span", [(T.Q4_K, 4), (T.Q5_K, 2), (T.Q6_K, 1), (T.Q2_K, 4), (T.Q3_K, 4),
+                                         (T.IQ4_XS, 1), (T.Q8_0, 0), (T.Q4_1, 0), (T.Q5_0, 0), (T.Q5_1, 0),
+                                         (T.IQ4_NL, 0)],
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_the_int32_span_of_each_format(qtype, span):
     """Random blocks reach each format's largest quants and factors: Q4_K's 15 x 63 sums 4 chunks
-    in int32, Q5_K's 31 x 63 two, Q6_K's 32 x 128 one; formats without integer factors none."""
+    in int32, Q5_K's 31 x 63 two, Q6_K's 32 x 128 one, Q2_K's 3 x 15 and Q3_K's 4 x 32 four,
+    IQ4_XS's 127 x 32 one; formats without integer factors none."""
     matrix, _ = matrix_of(qtype)
     assert matrix.span == span
     assert int32_span(15, torch.full((4, 1), 63, dtype=torch.int8), 2 * SPAN_VALUES + CHUNK, 8) == 0  # rows not in spans
     assert int32_span(15, torch.full((4, 1), 63, dtype=torch.int8), 2 * SPAN_VALUES, 2) == 2  # a super-block of 2 chunks
 
 
-def extreme_matrix(quant: int, sc: int, group: int, columns: int = 2 * 256) -> QuantizedMatrix:
-    """Every weight at its format's largest |q x sc| (d = 1): a span's int32 sum at its limit."""
+def extreme_matrix(quant: int, sc: int, group: int, columns: int = 2 * 256, levels=None) -> QuantizedMatrix:
+    """Every weight at its format's largest |q x sc| (d = 1): a span's int32 sum at its limit.
+    With `levels`, quant is the index of a level."""
     signed = quant < 0
     quants = torch.full((OUT, columns // group, group), quant, dtype=torch.int8 if signed else torch.uint8)
     factors = torch.full((OUT, columns // group, 1), sc, dtype=torch.int8)
     d = torch.ones(OUT, columns // 256, 1, dtype=torch.float16)
-    return QuantizedMatrix.of(gguf_formats.Groups(quants, d, factors, None, None), "extreme")
+    levels = None if levels is None else torch.tensor(levels, dtype=torch.int8)
+    return QuantizedMatrix.of(gguf_formats.Groups(quants, d, factors, None, None, levels), "extreme")
 
 
-@pytest.mark.parametrize("quant, sc, group, span", [(15, 63, 32, 4), (31, 63, 32, 2), (-32, -128, 16, 1)],
-                         ids=["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("quant, sc, group, span, levels", [
+    (15, 63, 32, 4, None), (31, 63, 32, 2, None), (-32, -128, 16, 1, None), (3, 15, 16, 4, None),
+    (-4, -32, 16, 4, None), (0, -32, 32, 1, gguf_formats.IQ4_LEVELS), (-127, -32, 32, 1, None)],
+    ids=["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS", "IQ4_XS-as-int8"])
 @pytest.mark.parametrize("rows", [1, 32])
-def test_the_largest_sums_do_not_overflow(quant, sc, group, span, rows):
+def test_the_largest_sums_do_not_overflow(quant, sc, group, span, levels, rows):
     """x at its largest everywhere (every value rounds to X_LIMIT) times the largest weights: the
     spans' int32 sums stay in range and the products equal the float ones."""
-    matrix = extreme_matrix(quant, sc, group)
+    matrix = extreme_matrix(quant, sc, group, levels=levels)
     assert matrix.span == span
     x = torch.full((rows, matrix.in_features), 0.75)
     exact = x.double() @ matrix.dequantize().double().T

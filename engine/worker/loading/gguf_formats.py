@@ -10,21 +10,29 @@ block size` weights.
 How each quantized format maps onto groups (`unpack`): weight = quant * scale + offset, the
 groups in row-major order of the weights:
 
-| type | block | group | quants         | scale           | offset            |
-|------|-------|-------|----------------|-----------------|-------------------|
-| Q8_0 | 32    | 32    | int8 -128..127 | d (f16)         | none              |
-| Q4_0 | 32    | 32    | uint4 0..15    | d (f16)         | -8 d              |
-| Q4_1 | 32    | 32    | uint4 0..15    | d (f16)         | m (f16)           |
-| Q4_K | 256   | 32    | uint4 0..15    | d x sc (6 bits) | -dmin x m (6 bits)|
-| Q5_K | 256   | 32    | uint5 0..31    | d x sc (6 bits) | -dmin x m (6 bits)|
-| Q6_K | 256   | 16    | int6 -32..31   | d x sc (int8)   | none              |
+| type   | block | group | quants            | scale             | offset             |
+|--------|-------|-------|-------------------|-------------------|--------------------|
+| Q8_0   | 32    | 32    | int8 -128..127    | d (f16)           | none               |
+| Q4_0   | 32    | 32    | uint4 0..15       | d (f16)           | -8 d               |
+| Q4_1   | 32    | 32    | uint4 0..15       | d (f16)           | m (f16)            |
+| Q5_0   | 32    | 32    | int5 -16..15      | d (f16)           | none               |
+| Q5_1   | 32    | 32    | uint5 0..31       | d (f16)           | m (f16)            |
+| Q2_K   | 256   | 16    | uint2 0..3        | d x sc (4 bits)   | -dmin x m (4 bits) |
+| Q3_K   | 256   | 16    | int3 -4..3        | d x sc (int6)     | none               |
+| Q4_K   | 256   | 32    | uint4 0..15       | d x sc (6 bits)   | -dmin x m (6 bits) |
+| Q5_K   | 256   | 32    | uint5 0..31       | d x sc (6 bits)   | -dmin x m (6 bits) |
+| Q6_K   | 256   | 16    | int6 -32..31      | d x sc (int8)     | none               |
+| IQ4_NL | 32    | 32    | uint4 -> levels   | d (f16)           | none               |
+| IQ4_XS | 256   | 32    | uint4 -> levels   | d x sc (int6)     | none               |
 
 So Q4_0, Q4_1 and Q4_K are affine int4 with a scale and an offset per 32 weights (the shape of
-torch's CPU int4 weight-only kernels), Q5_K affine int5 per 32, Q8_0 and Q6_K symmetric (no
-offset) per 32 and per 16. `dequantize` computes exactly what the reference does, operation for
-operation, so its floats are bit-equal to `gguf.quants.dequantize`; `affine(unpack(...))` is
-too, except Q4_0, where the reference computes d x (q - 8) and the groups d x q - 8 d (one
-rounding apart).
+torch's CPU int4 weight-only kernels), Q5_1 and Q5_K affine int5 per 32, Q2_K affine int2 per 16,
+Q8_0 and Q5_0 symmetric (no offset) per 32, Q3_K and Q6_K symmetric per 16. The IQ4 formats' quants
+are 4-bit indices of 16 non-linear int8 levels (ggml's kvalues, `IQ4_LEVELS`, the groups'
+`levels`): a group is d (x sc) times those int8 values, symmetric per 32. `dequantize` computes exactly
+what the reference does, operation for operation, so its floats are bit-equal to
+`gguf.quants.dequantize`; `affine(unpack(...))` is too, except Q4_0, where the reference computes
+d x (q - 8) and the groups d x q - 8 d (one rounding apart).
 """
 from __future__ import annotations
 
@@ -34,8 +42,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 T = GGMLQuantizationType
-SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K)
-QUANTIZED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K)
+QUANTIZED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+                   T.IQ4_NL, T.IQ4_XS)
+SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, *QUANTIZED_TYPES)
+# IQ4_NL's and IQ4_XS's 16 non-linear levels, a 4-bit index each (ggml-common.h's kvalues_iq4nl)
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 class UnsupportedTensorTypeError(ValueError):
@@ -48,7 +59,8 @@ class Groups:
     offset are kept as the format's own factors (so a native matmul can keep the file's bits):
     scale = d * sc and offset = dm * mn, with d and dm per super-block of `groups_per_super`
     groups (f16) and sc, mn per group (small integers, int8). A factor that is None is 1 (sc, mn)
-    or absent (dm: no offset).
+    or absent (dm: no offset). Where `levels` is given (int8, 16 of them: IQ4's), the quants are
+    indices of it, and a weight's integer is the level: weight = levels[quant] * scale + offset.
 
     Shapes: quants (..., groups per row, group size) (uint8, or int8 where the format is signed);
     sc, mn (..., groups per row, 1); d, dm (..., super-blocks per row, 1)."""
@@ -57,6 +69,12 @@ class Groups:
     sc: torch.Tensor | None
     dm: torch.Tensor | None
     mn: torch.Tensor | None
+    levels: torch.Tensor | None = None
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Each weight's integer: the quant, or the level it indexes."""
+        return self.quants if self.levels is None else self.levels[self.quants.long()]
 
     @property
     def group_size(self) -> int:
@@ -113,7 +131,7 @@ def dequantize(data: torch.Tensor, qtype: int | GGMLQuantizationType) -> torch.T
 
 def affine(groups: Groups) -> torch.Tensor:
     """The float32 weights of `groups`, shape (..., weights per row)."""
-    weights = groups.quants.float() * groups.scale
+    weights = groups.values.float() * groups.scale
     if groups.offset is not None:
         weights = weights + groups.offset
     return weights.flatten(-2)
@@ -135,7 +153,7 @@ def unpack(data: torch.Tensor, qtype: int | GGMLQuantizationType) -> Groups:
         return None if t is None else t.reshape(*rows, count, -1)
 
     return Groups(per_row(quants, groups), per_row(d, blocks_per_row), per_row(sc, groups),
-                  per_row(dm, blocks_per_row), per_row(mn, groups))
+                  per_row(dm, blocks_per_row), per_row(mn, groups), _LEVELS if qtype in (T.IQ4_NL, T.IQ4_XS) else None)
 
 
 def _as_bytes(data: torch.Tensor) -> torch.Tensor:
@@ -172,6 +190,68 @@ def _q4_1(blocks):
     return _nibbles(blocks[:, 4:], 16).reshape(-1, 1, 32), _f16(blocks, 0), None, _f16(blocks, 2), None
 
 
+_BITS = torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8)
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1's 4 bytes of high bits, a little-endian uint32 whose bit i is weight i's: (blocks, 32)."""
+    return ((qh.unsqueeze(-1) >> _BITS) & 0x01).reshape(qh.shape[0], 32)
+
+
+def _q5_0(blocks):
+    quants = _nibbles(blocks[:, 6:], 16).reshape(-1, 32) | (_fifth_bits(blocks[:, 2:6]) << 4)
+    return (quants.view(torch.int8) - 16).reshape(-1, 1, 32), _f16(blocks, 0), None, None, None
+
+
+def _q5_1(blocks):
+    quants = _nibbles(blocks[:, 8:], 16).reshape(-1, 32) | (_fifth_bits(blocks[:, 4:8]) << 4)
+    return quants.reshape(-1, 1, 32), _f16(blocks, 0), None, _f16(blocks, 2), None
+
+
+_CRUMBS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+
+
+def _crumbs(packed: torch.Tensor) -> torch.Tensor:
+    """Runs of 32 bytes hold 4 x 32 2-bit quants, bits 2s, 2s + 1 of byte j being weight 32s + j
+    of the run: (blocks, runs x 32) -> (blocks, runs x 128)."""
+    runs = packed.reshape(packed.shape[0], -1, 1, 32)
+    return ((runs >> _CRUMBS) & 0x03).reshape(packed.shape[0], -1)
+
+
+def _q2_k(blocks):
+    factors = blocks[:, :16]
+    quants = _crumbs(blocks[:, 16:80]).reshape(-1, 16, 16)
+    return quants, _f16(blocks, 80), (factors & 0x0F).view(torch.int8), -_f16(blocks, 82), (factors >> 4).view(torch.int8)
+
+
+def _q3_k(blocks):
+    n = blocks.shape[0]
+    # bit b of hmask byte j is weight 32b + j's; a weight whose bit is clear is 4 lower
+    high = ((blocks[:, :32].unsqueeze(1) >> _BITS.reshape(1, 8, 1)) & 0x01).reshape(n, 256)
+    quants = (_crumbs(blocks[:, 32:96]).view(torch.int8) - ((high ^ 1) << 2).view(torch.int8)).reshape(n, 16, 16)
+    packed = blocks[:, 96:108]
+    low = torch.cat((packed[:, :8] & 0x0F, packed[:, :8] >> 4), dim=1)  # scale j: nibble of byte j % 8
+    top = (packed[:, 8:12].unsqueeze(1) >> _CRUMBS.reshape(1, 4, 1)) & 0x03  # scale j: byte 8 + j % 4, bits 2 (j / 4)
+    scales = (low | (top.reshape(n, 16) << 4)).view(torch.int8) - 32
+    return quants, _f16(blocks, 108), scales, None, None
+
+
+_LEVELS = torch.tensor(IQ4_LEVELS, dtype=torch.int8)
+
+
+def _iq4_nl(blocks):  # the indices of _LEVELS
+    return _nibbles(blocks[:, 2:], 16).reshape(-1, 1, 32), _f16(blocks, 0), None, None, None
+
+
+def _iq4_xs(blocks):
+    n = blocks.shape[0]
+    high = blocks[:, 2].to(torch.int32) | (blocks[:, 3].to(torch.int32) << 8)  # scale j's top 2 bits at 2j
+    top = (high.unsqueeze(1) >> (2 * torch.arange(8, dtype=torch.int32))) & 0x03
+    low = torch.stack((blocks[:, 4:8] & 0x0F, blocks[:, 4:8] >> 4), dim=2).reshape(n, 8)
+    scales = (low | (top.to(torch.uint8) << 4)).view(torch.int8) - 32
+    return _nibbles(blocks[:, 8:], 16).reshape(n, 8, 32), _f16(blocks, 0), scales, None, None
+
+
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins for 8 sub-blocks (ggml's get_scale_min_k4)."""
     packed = packed.reshape(-1, 3, 4)
@@ -187,17 +267,11 @@ def _q4_k(blocks):
     return quants, _f16(blocks, 0), scales, -_f16(blocks, 2), mins
 
 
-_BITS = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
-
-
 def _q5_k(blocks):
     scales, mins = _k_scales(blocks[:, 4:16])
-    high = (blocks[:, 16:48].unsqueeze(1) >> _BITS) & 0x01  # bit j of byte i: sub-block j, weight i
+    high = (blocks[:, 16:48].unsqueeze(1) >> _BITS.reshape(1, 8, 1)) & 0x01  # bit j of byte i: sub-block j, weight i
     quants = _nibbles(blocks[:, 48:], 32) | (high << 4)
     return quants, _f16(blocks, 0), scales, -_f16(blocks, 2), mins
-
-
-_CRUMBS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
 
 
 def _q6_k(blocks):
@@ -209,4 +283,5 @@ def _q6_k(blocks):
     return quants, _f16(blocks, 208), scales, None, None
 
 
-_UNPACK = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+_UNPACK = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q2_K: _q2_k, T.Q3_K: _q3_k,
+           T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs}

@@ -23,7 +23,7 @@ typedef struct {
 #define FIELD(S, F) {#S, #F, offsetof(S, F), sizeof(((S *)0)->F)}
 
 static const FieldRow fields[] = {
-    SIZE(Part), FIELD(Part, q), FIELD(Part, d), FIELD(Part, dm), FIELD(Part, sc), FIELD(Part, mn),
+    SIZE(Part), FIELD(Part, q), FIELD(Part, d), FIELD(Part, dm), FIELD(Part, sc), FIELD(Part, mn), FIELD(Part, table),
     FIELD(Part, gs), FIELD(Part, sg), FIELD(Part, bits), FIELD(Part, shift), FIELD(Part, blocks),
     FIELD(Part, column), FIELD(Part, span),
 

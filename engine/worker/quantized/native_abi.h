@@ -33,16 +33,19 @@ typedef uint16_t half_bits;
 #endif
 
 /* One quantized matrix of a linear layer (laid out as qmatmul.c describes): its quants' width
-   (4, 6 or 8 bits) and 6-bit shift, where its part of the output starts, `column`, and `span`:
-   how many chunks' products qmatmul_batch.c may sum in int32 with the groups' integer factors sc
-   multiplied into the weights (0: keep them apart; matrix.py works it out from the quants). */
+   (2, 3, 4, 6 or 8 bits) and 3- or 6-bit shift, the 16 int8 values its 4-bit quants index
+   (`table`; NULL: a quant is its own value), where its part of the output starts, `column`, and
+   `span`: how many chunks' products qmatmul_batch.c may sum in int32 with the groups' integer
+   factors sc multiplied into the weights (0: keep them apart; matrix.py works it out from the
+   quants). */
 typedef struct {
     const uint8_t *q; const half_bits *d; const half_bits *dm; const int8_t *sc; const int8_t *mn;
+    const int8_t *table;
     int64_t gs, sg, bits, shift, blocks, column, span;
 } Part;
 
 /* Room for a row's activations as the loops quantize them, for rows x `in` values in `levels`
-   levels: xq [levels, rows, in] int8, dx [levels, rows, in / 32], xsum [rows, in / 32],
+   levels: xq [levels, rows, in] int8, dx [levels, rows, in / 32], xsum [rows, in / 16],
    xqsum [levels, rows, in / 16] int32. */
 typedef struct {
     int8_t *xq; float *dx; float *xsum; int32_t *xqsum;

@@ -40,7 +40,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class Part(ctypes.Structure):
     """One quantized matrix of a linear layer and its first output column."""
-    _fields_ = [("q", _P), ("d", _P), ("dm", _P), ("sc", _P), ("mn", _P),
+    _fields_ = [("q", _P), ("d", _P), ("dm", _P), ("sc", _P), ("mn", _P), ("table", _P),
                 ("gs", _I), ("sg", _I), ("bits", _I), ("shift", _I), ("blocks", _I), ("column", _I),
                 ("span", _I)]
 

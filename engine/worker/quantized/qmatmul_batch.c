@@ -68,7 +68,7 @@
 #endif
 
 typedef struct {
-    const int16_t *x; const float *dx; const float *xsum;  /* x [rows, in] int16, dx and xsum [rows, chunks] */
+    const int16_t *x; const float *dx; const float *xsum;  /* x [rows, in] int16, dx [rows, chunks], xsum [rows, chunks, 2] */
     int64_t in, chunks, rows;
     const Part *p; int64_t groups, supers;                  /* groups and super-blocks per output row */
     float *y; int64_t y_stride;
@@ -130,15 +130,25 @@ static inline void group_factors(const Batch *a, const half_bits *per_super, con
 }
 
 /* One quad of chunk c of lane block b (k = 32c + 4t + i, i < 4, for each of the 8 lanes: lane l
-   at bytes 4l .. 4l+3) as signed bytes, from qmatmul.c's packing of BITS-bit quants; BITS and t
-   are constants at each call (a format's test and shifts out of the loop). */
+   at bytes 4l .. 4l+3) as signed bytes, from qmatmul.c's packing of BITS-bit quants (with TABLE,
+   4-bit indices of `table`'s 16 values, in both 128-bit lanes); BITS, TABLE and t are constants
+   at each call (a format's test and shifts out of the loop). */
 static inline __attribute__((always_inline)) __m256i quad(const Part *p, int64_t chunks, int64_t b, int64_t c,
-                                                          const int t, const int BITS) {
+                                                          const int t, const int BITS, const int TABLE, __m256i table) {
     const __m256i low4 = _mm256_set1_epi8(15);
     if (BITS == 8) return _mm256_loadu_si256((const __m256i *)((const int8_t *)p->q + ((b * chunks + c) * 8 + t) * 32));
     const uint8_t *at = p->q + (b * chunks + c) * BITS * 32;
+    if (BITS == 2 || BITS == 3) {  /* quad t = 2s + r: bits 2s, 2s + 1 of row r (and with 3 bits its top bit at bit t of row 2) */
+        const __m256i crumbs = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(at + (t & 1) * 32)), 2 * (t >> 1)),
+                                                _mm256_set1_epi8(3));
+        if (BITS == 2) return crumbs;
+        const __m256i plane = _mm256_loadu_si256((const __m256i *)(at + 64));
+        const __m256i top = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(plane, t - 2) : _mm256_slli_epi16(plane, 2 - t), _mm256_set1_epi8(4));
+        return _mm256_sub_epi8(_mm256_or_si256(crumbs, top), _mm256_set1_epi8((char)p->shift));
+    }
     const __m256i w = _mm256_loadu_si256((const __m256i *)(at + (t & 3) * 32));
     __m256i u = t < 4 ? _mm256_and_si256(w, low4) : _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+    if (TABLE) u = _mm256_shuffle_epi8(table, u);
     if (BITS == 6) {  /* the top 2 bits of quad t & 3 of half t / 4 */
         u = _mm256_or_si256(u, top_bits(_mm256_loadu_si256((const __m256i *)(at + (4 + t / 4) * 32)), t & 3));
         u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)p->shift));
@@ -149,20 +159,23 @@ static inline __attribute__((always_inline)) __m256i quad(const Part *p, int64_t
 /* Slab [c0, c0 + n) of lane blocks b .. b+nb-1 into w: pair j of chunk c, block i at
    w + ((c - c0) * PAIRS + j) * nb * 16 + i * 16, lanes 0-7 each (k = 32c + 2j, 32c + 2j + 1). */
 static inline __attribute__((always_inline)) void unpack_bits(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n,
-                                                              int16_t *w, const int BITS) {
+                                                              int16_t *w, const int BITS, const int TABLE) {
     /* per 128-bit half (lanes 0-3, 4-7): the bytes of k 0,1 of each lane, then of k 2,3; the
        unpacks then widen each half's first 8 bytes (k 0,1 of its lanes) into one vector of all 8
        lanes' pairs, and its last 8 (k 2,3) into another: 3 instructions where a cross-lane permute,
        two sign extensions and an extract took 5 */
     const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i table = TABLE ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)a->p->table))
+                                : _mm256_setzero_si256();
     for (int64_t c = c0; c < c0 + n; c++)
         for (int i = 0; i < nb; i++) {
             _Pragma("GCC unroll 8")
             for (int t = 0; t < 8; t++) {
-                const __m256i q = _mm256_shuffle_epi8(quad(a->p, a->chunks, b + i, c, t, BITS), pick);
-                /* the high bytes: 0 for the 4-bit quants (0..15), the sign of the others */
-                const __m256i high = BITS == 4 ? _mm256_setzero_si256() : _mm256_cmpgt_epi8(_mm256_setzero_si256(), q);
+                const __m256i q = _mm256_shuffle_epi8(quad(a->p, a->chunks, b + i, c, t, BITS, TABLE, table), pick);
+                /* the high bytes: 0 for the 2- and 4-bit quants (0..3, 0..15), the sign of the others */
+                const __m256i high = BITS == 2 || (BITS == 4 && !TABLE) ? _mm256_setzero_si256()
+                                                                        : _mm256_cmpgt_epi8(_mm256_setzero_si256(), q);
                 int16_t *out = w + ((c - c0) * PAIRS + 2 * t) * nb * 16 + i * 16;
                 _mm256_store_si256((__m256i *)out, _mm256_unpacklo_epi8(q, high));
                 _mm256_store_si256((__m256i *)(out + nb * 16), _mm256_unpackhi_epi8(q, high));
@@ -195,7 +208,8 @@ static inline void chunk_factors(const Batch *a, int64_t b, int64_t c, __m512i h
    int16 (two stores where unpack_bits takes four, with half the shuffles). FOLD: each group's
    integer factor sc multiplied into its weights (a Part's span). */
 static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n,
-                                                                    int16_t *w, const int BITS, const int FOLD) {
+                                                                    int16_t *w, const int BITS, const int FOLD,
+                                                                    const int TABLE) {
     /* byte 4l + i of the first block's quad at index 4l + i, the second's at 64 + 4l + i */
     static const uint8_t order[64] __attribute__((aligned(64))) = {
         0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29,
@@ -204,8 +218,11 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
         66, 67, 70, 71, 74, 75, 78, 79, 82, 83, 86, 87, 90, 91, 94, 95};
     const __m512i pick = _mm512_load_si512((const void *)order);
     if (BITS == 4) {
-        /* quads t and t + 4 are one load's low and high nibbles: permuted once, then split */
+        /* quads t and t + 4 are one load's low and high nibbles: permuted once, then split (and
+           with TABLE looked up in the table, in each 128-bit lane) */
         const __m512i low4 = _mm512_set1_epi8(15);
+        const __m512i table = TABLE ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)a->p->table))
+                                    : _mm512_setzero_si512();
         for (int64_t c = c0; c < c0 + n; c++)
             for (int i = 0; i < nb; i += 2) {
                 const int64_t bytes = 4 * 32;  /* a chunk of a block: 4 quads of 32 bytes */
@@ -217,11 +234,18 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
                     const __m512i both = _mm512_permutex2var_epi8(
                         _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(at + t * 32))), pick,
                         _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(next + t * 32))));
-                    const __m512i nibbles[2] = {_mm512_and_si512(both, low4), _mm512_and_si512(_mm512_srli_epi16(both, 4), low4)};
+                    __m512i nibbles[2] = {_mm512_and_si512(both, low4), _mm512_and_si512(_mm512_srli_epi16(both, 4), low4)};
                     for (int h = 0; h < 2; h++) {
                         int16_t *out = w + ((c - c0) * PAIRS + 2 * (t + 4 * h)) * nb * 16 + i * 16;
-                        __m512i k01 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(nibbles[h]));
-                        __m512i k23 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(nibbles[h], 1));
+                        __m512i k01, k23;
+                        if (TABLE) {  /* signed values */
+                            nibbles[h] = _mm512_shuffle_epi8(table, nibbles[h]);
+                            k01 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(nibbles[h]));
+                            k23 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(nibbles[h], 1));
+                        } else {
+                            k01 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(nibbles[h]));
+                            k23 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(nibbles[h], 1));
+                        }
                         if (FOLD) {  /* k 16h .. 16h + 15 of the chunk */
                             const __m512i f = factors[h];
                             k01 = _mm512_mullo_epi16(k01, f), k23 = _mm512_mullo_epi16(k23, f);
@@ -240,10 +264,10 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
             _Pragma("GCC unroll 8")
             for (int t = 0; t < 8; t++) {
                 const __m512i both = _mm512_permutex2var_epi8(
-                    _mm512_castsi256_si512(quad(a->p, a->chunks, b + i, c, t, BITS)), pick,
-                    _mm512_castsi256_si512(quad(a->p, a->chunks, b + i + 1, c, t, BITS)));
+                    _mm512_castsi256_si512(quad(a->p, a->chunks, b + i, c, t, BITS, 0, _mm256_setzero_si256())), pick,
+                    _mm512_castsi256_si512(quad(a->p, a->chunks, b + i + 1, c, t, BITS, 0, _mm256_setzero_si256())));
                 int16_t *out = w + ((c - c0) * PAIRS + 2 * t) * nb * 16 + i * 16;
-                /* 6- and 8-bit quants: signed */
+                /* 3-, 6- and 8-bit quants: signed (2-bit ones 0..3) */
                 __m512i k01 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(both));
                 __m512i k23 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(both, 1));
                 if (FOLD) k01 = _mm512_mullo_epi16(k01, factors[t / 4]), k23 = _mm512_mullo_epi16(k23, factors[t / 4]);
@@ -255,9 +279,12 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
 
 static inline __attribute__((always_inline)) void unpack_pairs(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n,
                                                                int16_t *w, const int FOLD) {
-    if (a->p->bits == 4) unpack_pairs_bits(a, b, nb, c0, n, w, 4, FOLD);
-    else if (a->p->bits == 6) unpack_pairs_bits(a, b, nb, c0, n, w, 6, FOLD);
-    else unpack_pairs_bits(a, b, nb, c0, n, w, 8, FOLD);
+    if (a->p->table) unpack_pairs_bits(a, b, nb, c0, n, w, 4, FOLD, 1);
+    else if (a->p->bits == 2) unpack_pairs_bits(a, b, nb, c0, n, w, 2, FOLD, 0);
+    else if (a->p->bits == 3) unpack_pairs_bits(a, b, nb, c0, n, w, 3, FOLD, 0);
+    else if (a->p->bits == 4) unpack_pairs_bits(a, b, nb, c0, n, w, 4, FOLD, 0);
+    else if (a->p->bits == 6) unpack_pairs_bits(a, b, nb, c0, n, w, 6, FOLD, 0);
+    else unpack_pairs_bits(a, b, nb, c0, n, w, 8, FOLD, 0);
 }
 #endif
 
@@ -271,9 +298,12 @@ static void unpack(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n, int
     }
 #endif
     (void)fold;
-    if (a->p->bits == 4) unpack_bits(a, b, nb, c0, n, w, 4);
-    else if (a->p->bits == 6) unpack_bits(a, b, nb, c0, n, w, 6);
-    else unpack_bits(a, b, nb, c0, n, w, 8);
+    if (a->p->table) unpack_bits(a, b, nb, c0, n, w, 4, 1);
+    else if (a->p->bits == 2) unpack_bits(a, b, nb, c0, n, w, 2, 0);
+    else if (a->p->bits == 3) unpack_bits(a, b, nb, c0, n, w, 3, 0);
+    else if (a->p->bits == 4) unpack_bits(a, b, nb, c0, n, w, 4, 0);
+    else if (a->p->bits == 6) unpack_bits(a, b, nb, c0, n, w, 6, 0);
+    else unpack_bits(a, b, nb, c0, n, w, 8, 0);
 }
 
 /* Rows r0 .. r0+MTT-1 of lane blocks b .. b+NBT-1 over the unpacked slab: y += their products.
@@ -323,11 +353,14 @@ static inline __attribute__((always_inline)) void tile(const Batch *a, const int
             }
         }
         if (offsets)
-            for (int i = 0; i < NBT; i++) {
-                const __m256 offset = _mm256_load_ps(offsets + ((c - c0) * NBT + i) * LANES);
-                for (int r = 0; r < MTT; r++)
-                    sum[i][r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a->xsum[(r0 + r) * a->chunks + c]), sum[i][r]);
-            }
+            for (int h = 0; h < CHUNK / GS; h++)
+                for (int i = 0; i < NBT; i++) {
+                    const __m256 offset = _mm256_load_ps(offsets + (((c - c0) * 2 + h) * NBT + i) * LANES);
+                    for (int r = 0; r < MTT; r++) {
+                        const float *xs = a->xsum + ((r0 + r) * a->chunks + c) * 2;
+                        sum[i][r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(GS == 16 ? xs[h] : xs[0] + xs[1]), sum[i][r]);
+                    }
+                }
     }
     for (int i = 0; i < NBT; i++)
         for (int r = 0; r < MTT; r++) {
@@ -385,13 +418,19 @@ static inline __attribute__((always_inline)) void tile_wide(const Batch *a, cons
                                                 _mm512_mul_ps(scale, _mm512_set1_ps(a->dx[(r0 + r) * a->chunks + c])), sum[i][r]);
             }
         }
-        if (offsets)
+        if (offsets) {
+            /* the offsets' groups are the part's (16 or 32 wide) even where its scales are folded */
+            const int halves = a->p->gs == 16;
             for (int s = 0; s < SPAN; s++)
-                for (int i = 0; i < ZB; i++) {
-                    const __m512 offset = _mm512_loadu_ps(offsets + ((c + s - c0) * nb + 2 * i) * LANES);
-                    for (int r = 0; r < MTT; r++)
-                        sum[i][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a->xsum[(r0 + r) * a->chunks + c + s]), sum[i][r]);
-                }
+                for (int h = 0; h <= halves; h++)
+                    for (int i = 0; i < ZB; i++) {
+                        const __m512 offset = _mm512_loadu_ps(offsets + (((c + s - c0) * 2 + h) * nb + 2 * i) * LANES);
+                        for (int r = 0; r < MTT; r++) {
+                            const float *xs = a->xsum + ((r0 + r) * a->chunks + c + s) * 2;
+                            sum[i][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(halves ? xs[h] : xs[0] + xs[1]), sum[i][r]);
+                        }
+                    }
+        }
     }
     for (int i = 0; i < ZB; i++)
         for (int r = 0; r < MTT; r++) {
@@ -435,7 +474,7 @@ static void blocks(const Batch *a, int64_t b, int nb) {
     prefetch_factors(a, b, nb);
     int16_t w[SLAB * PAIRS * SLAB_BLOCKS * 16] __attribute__((aligned(64)));
     float scales[SLAB * 2 * SLAB_BLOCKS * LANES] __attribute__((aligned(64)));
-    float offsets[SLAB * SLAB_BLOCKS * LANES] __attribute__((aligned(64)));
+    float offsets[SLAB * 2 * SLAB_BLOCKS * LANES] __attribute__((aligned(64)));
     const Part *p = a->p;
     const int gs = (int)p->gs, per_chunk = CHUNK / gs;  /* groups a chunk holds */
 #ifdef UNPACK_PAIRS
@@ -455,12 +494,12 @@ static void blocks(const Batch *a, int64_t b, int nb) {
             ahead = ahead_of(a, b + nb, nb, 0, a->chunks < SLAB ? a->chunks : SLAB);
             prefetch_factors(a, b + nb, nb);
         }
-        /* the scale of chunk c's group h at scales + (((c - c0) * 2 + h) * nb + i) * LANES, its
-           offset (32-wide groups only) at offsets + ((c - c0) * nb + i) * LANES */
+        /* the scale and the offset of chunk c's group h at (((c - c0) * 2 + h) * nb + i) * LANES
+           in scales and offsets */
         for (int i = 0; i < nb; i++) {
             /* folded: each group's scale is its super-block's d (sc is in the weights) */
             group_factors(a, p->d, fold ? NULL : p->sc, b + i, c0 * per_chunk, n * per_chunk, scales + i * LANES, 2 / per_chunk * nb * LANES);
-            if (p->dm) group_factors(a, p->dm, p->mn, b + i, c0, n, offsets + i * LANES, nb * LANES);
+            if (p->dm) group_factors(a, p->dm, p->mn, b + i, c0 * per_chunk, n * per_chunk, offsets + i * LANES, 2 / per_chunk * nb * LANES);
         }
         const float *o = p->dm ? offsets : NULL;
 #ifdef WIDE_ROWS
@@ -494,7 +533,7 @@ static void unit(const Batch *a, int64_t b, int64_t count) {
 
 /* Each row of x [rows, in] (stride x_stride) as int16, for parts that sum spans (`spans`) per
    SPAN_VALUES values, else per 32: xq = round(x / dx) (to nearest even, as lrintf), dx = max|x| /
-   X_LIMIT (/ 32767 per 32), kept once per chunk; xsum the float sum of each 32 (for the offsets). */
+   X_LIMIT (/ 32767 per 32), kept once per chunk; xsum the float sums of each 16 (for the offsets). */
 static void quantize_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, int spans,
                           int16_t *xq, float *dx, float *xsum) {
     const int64_t chunks = in / CHUNK, span = spans ? SPAN_VALUES / CHUNK : 1;
@@ -512,21 +551,20 @@ static void quantize_rows(const float *x, int64_t rows, int64_t x_stride, int64_
         const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? limit / largest : 0.0f);
         for (int64_t c = s * span; c < (s + 1) * span; c++) {
             const float *w = x + r * x_stride + c * CHUNK;
-            __m256 part[4], sum = _mm256_setzero_ps();
-            for (int i = 0; i < 4; i++) {
-                part[i] = _mm256_loadu_ps(w + 8 * i);
-                sum = _mm256_add_ps(sum, part[i]);
-            }
+            __m256 part[4];
+            for (int i = 0; i < 4; i++) part[i] = _mm256_loadu_ps(w + 8 * i);
             for (int i = 0; i < 4; i += 2) {
                 const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(part[i], inverse)),
                                                           _mm256_cvtps_epi32(_mm256_mul_ps(part[i + 1], inverse)));
                 _mm256_storeu_si256((__m256i *)(xq + r * in + c * CHUNK + 8 * i), _mm256_permute4x64_epi64(packed, 0xD8));
             }
-            _mm256_storeu_ps(lanes, sum);
-            float total = 0.0f;
-            for (int i = 0; i < 8; i++) total += lanes[i];
+            for (int h = 0; h < 2; h++) {
+                _mm256_storeu_ps(lanes, _mm256_add_ps(part[2 * h], part[2 * h + 1]));
+                float total = 0.0f;
+                for (int i = 0; i < 8; i++) total += lanes[i];
+                xsum[(r * chunks + c) * 2 + h] = total;
+            }
             dx[r * chunks + c] = largest / limit;
-            xsum[r * chunks + c] = total;
         }
     }
 }
@@ -548,7 +586,7 @@ int qlinear_batch_in_region(const float *x, int64_t rows, int64_t x_stride, int6
         const int64_t r0 = rows * pass / passes, n = rows * (pass + 1) / passes - r0;
         for (int64_t k = 0; k < num_parts; k++) {
             const Part *p = &parts[k];
-            const Batch a = {xq + r0 * in, scratch->dx + r0 * chunks, scratch->xsum + r0 * chunks, in, chunks, n, p,
+            const Batch a = {xq + r0 * in, scratch->dx + r0 * chunks, scratch->xsum + r0 * chunks * 2, in, chunks, n, p,
                              in / p->gs, in / p->gs / p->sg, y + r0 * y_stride + p->column, y_stride};
             const int64_t units = (p->blocks + SLAB_BLOCKS - 1) / SLAB_BLOCKS;
             /* Handed out 8 blocks at a time, not in two fixed halves: on a shared host one core
