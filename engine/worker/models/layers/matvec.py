@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.worker.models.weights import frozen
 
@@ -21,9 +20,16 @@ class MatVec(torch.nn.Module):
         super().__init__()
         rows, cols = weight.shape
         width = max(1, 64 // weight.element_size())
-        padded = -(-rows // width) * width
-        weight = F.pad(weight.detach(), (0, 0, 0, padded - rows))
-        self.blocks = frozen(weight.view(padded // width, width, cols).transpose(1, 2).contiguous())
+        full, rest = divmod(rows, width)
+        weight = weight.detach()
+        # Written into one allocation (a padded copy, then a contiguous one, held a large matrix
+        # three times at once while an engine loaded), the last block's missing rows zero.
+        blocks = torch.empty(full + bool(rest), cols, width, dtype=weight.dtype, device=weight.device)
+        blocks[:full].copy_(weight[:full * width].view(full, width, cols).transpose(1, 2))
+        if rest:
+            blocks[full].zero_()
+            blocks[full, :, :rest].copy_(weight[full * width:].T)
+        self.blocks = frozen(blocks)
         self.bias, self.rows = frozen(bias), rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
