@@ -54,7 +54,6 @@ if __name__ == "__main__":
     sys.path[0] = str(ROOT)  # the repository root (benchmarks/kernels.py shadows kernels)
 
 BUILD = ROOT / "benchmarks" / "peers" / ".build"
-SRC = BUILD / "llama_cpp_python" / "vendor" / "llama.cpp"
 RANDOM_1B = "random-llama-1b"
 EMBEDDED = "smollm2-135m"
 # matrix model -> its files' stem: benchmarks/random_llama.py's name for a random model (its folder
@@ -139,11 +138,16 @@ def run(command: list[str], **kwargs) -> None:
                            f"{(done.stderr or done.stdout).strip()[-1500:]}")
 
 
+def vendored(build: Path) -> Path:
+    """The llama.cpp source llama_cpp.sh unpacks into the build folder (the converter, gguf-py)."""
+    return build / "llama_cpp_python" / "vendor" / "llama.cpp"
+
+
 def check_tools(build: Path) -> None:
     """llama-quantize, the converter and its venv are there; what to run where not."""
     if not (build / "llama-quantize").exists():
         raise RuntimeError("llama-quantize is not built: bash benchmarks/peers/llama_cpp.sh")
-    if not (build / "convert-venv" / "bin" / "python").exists() or not (SRC / "convert_hf_to_gguf.py").exists():
+    if not (build / "convert-venv" / "bin" / "python").exists() or not (vendored(build) / "convert_hf_to_gguf.py").exists():
         raise RuntimeError("the converter is not set up: bash benchmarks/peers/llama_cpp.sh")
 
 
@@ -173,14 +177,14 @@ def convert(folder: Path, outtype: str, target: Path, build: Path, pre: str | No
     """`folder` converted by the vendored convert_hf_to_gguf.py to a GGUF of `outtype` at `target`
     (written aside, then renamed). `pre`: the tokenizer's llama.cpp pre-tokenizer, named where the
     converter cannot recognize it (convert_named_pre.py)."""
-    python = build / "convert-venv" / "bin" / "python"
+    python, source = build / "convert-venv" / "bin" / "python", vendored(build)
     arguments = [str(folder), "--outtype", outtype, "--outfile", str(part := target.with_suffix(".gguf.part"))]
     if pre is None:
-        command = [str(python), str(SRC / "convert_hf_to_gguf.py"), *arguments]
+        command = [str(python), str(source / "convert_hf_to_gguf.py"), *arguments]
     else:
-        command = [str(python), str(Path(__file__).parent / "convert_named_pre.py"), str(SRC), pre, *arguments]
+        command = [str(python), str(Path(__file__).parent / "convert_named_pre.py"), str(source), pre, *arguments]
     t0 = time.perf_counter()
-    run(command, env={**os.environ, "PYTHONPATH": str(SRC / "gguf-py")})
+    run(command, env={**os.environ, "PYTHONPATH": str(source / "gguf-py")})
     part.rename(target)
     print(f"converted {folder.name} to {target.name} in {time.perf_counter() - t0:.0f} s", flush=True)
     return target
