@@ -3,7 +3,7 @@ native path stays to the file's own float32 dequantization.
 
 One row per file: its size; its tensor types and how many tensors of each (gguf's GGUFReader: a
 K-quant file of a model whose rows are not a multiple of 256 holds fallback types besides its
-name's); whether the engine loads it by path and serves it with `quantization="native"` (a short
+name's), and which of them the engine's reader does not read; whether the engine loads it by path and serves it with `quantization="native"` (a short
 greedy generation), or the error it refuses the file with (naming the type it does not read);
 and, where it serves it, benchmarks/gguf_quality.py's comparison: teacher-forced top-1 agreement
 of the native model with the file dequantized to float32, and how many greedy replies are equal.
@@ -52,9 +52,13 @@ def serve_check(path: Path, num_gpu_blocks: int, max_tokens: int) -> dict:
 def row(name: str, path: Path, args) -> dict:
     from benchmarks import gguf_quality
 
+    from engine.worker.loading.gguf_formats import SUPPORTED_TYPES
+
     types = gguf_models.tensor_types(path)
     entry = {"name": name, "file": path.name, "size_bytes": path.stat().st_size,
-             "tensor_types": dict(types.most_common()), **serve_check(path, args.num_gpu_blocks, args.max_tokens)}
+             "tensor_types": dict(types.most_common()),
+             "types_not_read": [t for t in types if t not in {s.name for s in SUPPORTED_TYPES}],
+             **serve_check(path, args.num_gpu_blocks, args.max_tokens)}
     if entry["loads"] and args.prompts > 0:
         quality = gguf_quality.measure(str(path), args.max_tokens, prompts=args.prompts, positions=args.positions,
                                        stepwise_too=args.stepwise)
@@ -78,17 +82,19 @@ def selected(names: str | None, build: Path) -> list[tuple[str, Path]]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| file | MB | tensor types (count) | native | top-1 agree (positions) | greedy equal |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| file | MB | tensor types (count) | types the engine does not read | native | top-1 agree (positions) "
+             "| greedy equal |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         types = ", ".join(f"{t} {n}" for t, n in r["tensor_types"].items())
         if not r["loads"]:
-            served, top1, greedy = f"refused: {r['error'][:160]}", "", ""
+            # the engine's message up to its list of supported types (the JSON line keeps it whole)
+            served, top1, greedy = f"refused: {r['error'].split(' (supported')[0]}", "", ""
         else:
             served = "serves"
             top1 = f"{r['top1']:.1%} ({r['positions']})" if "top1" in r else ""
             greedy = f"{r['greedy_equal']} of {r['greedy_prompts']}" if "greedy_equal" in r else ""
-        lines.append(f"| {r['file']} | {r['size_bytes'] / 1e6:,.0f} | {types} | {served} | {top1} | {greedy} |")
+        lines.append(f"| {r['file']} | {r['size_bytes'] / 1e6:,.0f} | {types} | {', '.join(r['types_not_read']) or '-'} "
+                     f"| {served} | {top1} | {greedy} |")
     return lines
 
 

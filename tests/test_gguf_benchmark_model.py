@@ -151,6 +151,8 @@ def test_the_matrix_report_serves_a_file_and_reports_a_refused_one_by_its_type(t
     assert served["file"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and served["loads"] and served["reply_tokens"] == 2
     assert served["tensor_types"]["Q4_1"] > 0 and served["size_bytes"] > 0
     assert served["positions"] == 12 and 0 <= served["top1"] <= 1 and served["greedy_prompts"] == 1
-    assert refused_row["tensor_types"] == {"Q2_K": 1} and not refused_row["loads"]
+    assert served["types_not_read"] == []
+    assert refused_row["tensor_types"] == {"Q2_K": 1} and refused_row["types_not_read"] == ["Q2_K"]
+    assert not refused_row["loads"]
     assert "Q2_K" in refused_row["error"] and "top1" not in refused_row
     assert "refused" in done.stdout and "SmolLM2-135M-Instruct.Q4_1.gguf" in done.stdout
