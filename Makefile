@@ -40,7 +40,8 @@ bench: $(STAMP)
 # time, in their own virtualenvs and build folder under benchmarks/peers/.build).
 # GGUF=FILE[,FILE...] instead runs ours and llama.cpp on the same GGUF files (compare.py --gguf):
 # paths, or benchmarks/peers/gguf_models.py's names, which it makes offline (~3 min) where missing:
-# q4_1 (the embedded SmolLM2), 1b-q8_0, 1b-q4_k_m (a random 1B), all. GGUF_ARGS adds compare.py
+# q4_1 (the embedded SmolLM2), 1b-q8_0, 1b-q4_k_m (a random 1B), all, or its matrix's MODEL-TYPE
+# names and globs (e.g. qwen-0.5b-q4_k_m, 'smollm2-360m-*'). GGUF_ARGS adds compare.py
 # options, e.g. GGUF_ARGS="--quantization native,dequantize --dense 1b".
 bench-peers: $(STAMP)
 ifeq ($(GGUF),)

@@ -122,25 +122,30 @@ def decoder(path: str, quantization: str):
     return LlamaModel(hf_model, torch.float32, torch.device("cpu")), tokenizer
 
 
-def measure(path: str, max_tokens: int) -> dict:
+def measure(path: str, max_tokens: int, prompts: int | None = None, positions: int | None = None,
+            stepwise_too: bool = True) -> dict:
+    """Both comparisons for the file at `path`. `prompts`: how many of the chat texts and questions
+    (all unless given); `positions`: each text cut to its first that many tokens; `stepwise_too`:
+    also the one-token-a-step pass (its figures are None without it)."""
     from engine import LLM, SamplingParams
     from engine.worker.loading.gguf_file import inspect_gguf
 
     info = inspect_gguf(path)
     native, tokenizer = decoder(path, "native")
     dense, _ = decoder(path, "dequantize")
-    texts = chat_texts(tokenizer)
+    texts = [ids[:positions] for ids in chat_texts(tokenizer)[:prompts]]
     totals = {"positions": 0, "agree": 0, "clear_positions": 0, "clear_agree": 0}
     stepwise = dict.fromkeys(totals, 0)
     for ids in texts:
         reference = teacher_forced_logits(dense, ids)
         for key, value in agreement(teacher_forced_logits(native, ids), reference).items():
             totals[key] += value
-        for key, value in agreement(stepwise_logits(native, ids), reference).items():
-            stepwise[key] += value
+        if stepwise_too:
+            for key, value in agreement(stepwise_logits(native, ids), reference).items():
+                stepwise[key] += value
     del native, dense
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:prompts]]
     replies = {}
     for quantization in ("native", "dequantize"):
         llm = LLM(path, dtype="float32", quantization=quantization, compile_decode=False)
@@ -151,8 +156,8 @@ def measure(path: str, max_tokens: int) -> dict:
                     for a, b in zip(replies["native"], replies["dequantize"]) if a != b)
     return {"file": Path(path).name, "type": info.file_type, "parameters": info.num_parameters, **totals,
             "top1": totals["agree"] / totals["positions"], "top1_clear": totals["clear_agree"] / max(totals["clear_positions"], 1),
-            "top1_stepwise": stepwise["agree"] / stepwise["positions"],
-            "top1_stepwise_clear": stepwise["clear_agree"] / max(stepwise["clear_positions"], 1),
+            "top1_stepwise": stepwise["agree"] / stepwise["positions"] if stepwise_too else None,
+            "top1_stepwise_clear": stepwise["clear_agree"] / max(stepwise["clear_positions"], 1) if stepwise_too else None,
             "greedy_prompts": len(prompts), "greedy_equal": equal, "greedy_tokens": max_tokens,
             "first_difference_at": parted}
 
