@@ -127,12 +127,14 @@ def test_a_tiny_random_qwen2_has_biases_and_qwen_s_tokenizer_and_converts_to_ggu
 
 
 def refused_gguf(path: Path) -> Path:
-    """A one-tensor llama GGUF in Q2_K, which the engine's reader does not read."""
+    """A one-tensor llama GGUF in IQ2_XXS, a type the engine's reader does not read."""
     import numpy as np
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
     writer = GGUFWriter(str(path), "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 84), dtype=np.uint8), raw_dtype=GGMLQuantizationType.Q2_K)
+    type_size = GGML_QUANT_SIZES[GGMLQuantizationType.IQ2_XXS][1]
+    writer.add_tensor("token_embd.weight", np.zeros((4, type_size), dtype=np.uint8),
+                      raw_dtype=GGMLQuantizationType.IQ2_XXS)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -141,7 +143,7 @@ def refused_gguf(path: Path) -> Path:
 
 
 def test_the_matrix_report_serves_a_file_and_reports_a_refused_one_by_its_type(tmp_path):
-    refused = refused_gguf(tmp_path / "refused-q2_k.gguf")
+    refused = refused_gguf(tmp_path / "refused-iq2_xxs.gguf")
     done = run_python(["benchmarks/gguf_matrix.py", f"q4_1,{refused}", "--prompts", "1", "--positions", "12",
                        "--max-tokens", "2"], ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -152,7 +154,7 @@ def test_the_matrix_report_serves_a_file_and_reports_a_refused_one_by_its_type(t
     assert served["tensor_types"]["Q4_1"] > 0 and served["size_bytes"] > 0
     assert served["positions"] == 12 and 0 <= served["top1"] <= 1 and served["greedy_prompts"] == 1
     assert served["types_not_read"] == []
-    assert refused_row["tensor_types"] == {"Q2_K": 1} and refused_row["types_not_read"] == ["Q2_K"]
+    assert refused_row["tensor_types"] == {"IQ2_XXS": 1} and refused_row["types_not_read"] == ["IQ2_XXS"]
     assert not refused_row["loads"]
-    assert "Q2_K" in refused_row["error"] and "top1" not in refused_row
+    assert "IQ2_XXS" in refused_row["error"] and "top1" not in refused_row
     assert "refused" in done.stdout and "SmolLM2-135M-Instruct.Q4_1.gguf" in done.stdout
