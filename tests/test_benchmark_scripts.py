@@ -223,6 +223,8 @@ def test_serve_comparison_script_runs_the_engine_and_reports_peers_not_set_up(ti
         else:  # narrowed to within 1.25x of the limit
             assert by_rate[first_bad]["good_share"] < 0.95 and best < first_bad <= best * 1.25 * 1.0001
     assert engine["one_chat_tok_s"] > 0 and engine["one_chat"]["tokens"] == 12
+    rounds = engine["one_chat"]["rounds_tok_s"]  # the median of three rounds, as the engine offline's
+    assert len(rounds) == 3 and engine["one_chat_tok_s"] == sorted(rounds)[1]
     assert "--dtype float32" in engine["command"] and "compiled_wait_s" in engine
     systems = figures["systems"]
     assert "vllm_cpu.sh setup" in systems["vllm"]["missing"]

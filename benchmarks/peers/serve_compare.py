@@ -270,7 +270,8 @@ def measure(name: str, target: serve.Target, running: Running, report: dict, arg
 
     try:
         if args.one_chat_tokens:
-            alone = serve.one_chat(target, args.one_chat_tokens, args.seed, args.request_timeout_s)
+            alone = serve.one_chat(target, args.one_chat_tokens, args.seed, args.request_timeout_s,
+                                   args.one_chat_rounds)
             report["one_chat"], report["one_chat_tok_s"] = alone, alone.get("tok_s")
             print(f"{name}: one chat alone: {alone}", flush=True)
         climbed = serve.climb(run, args.rates, past_limit=args.past_limit)
@@ -444,6 +445,8 @@ def main() -> None:
     parser.add_argument("--ttft-slo-s", type=float, default=1.0, help="a good request's TTFT at most (s)")
     parser.add_argument("--itl-slo-ms", type=float, default=200.0, help="a good request's own ITL p99 at most (ms)")
     parser.add_argument("--one-chat-tokens", type=int, default=300, help="one chat alone's new tokens (0: skip)")
+    parser.add_argument("--one-chat-rounds", type=int, default=3,
+                        help="that chat this many times, the median (as the engine offline's rounds)")
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
     parser.add_argument("--compiled-wait-s", type=float, default=COMPILED_WAIT_S,
                         help="how long to wait for our compiled decode steps before going on")
