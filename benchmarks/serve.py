@@ -520,9 +520,9 @@ def run_rate(target: Target, rate: float, duration_s: float, max_tokens: int = 6
     so (not on the page). Why a least count: at a quarter of a request a second, 30 s hold about 8
     requests, and the 95% bar then means every one of them; a single stall of the shared machine
     decides the rate. With 20, one request may miss, as one in twenty may at any rate."""
-    cpu = time.process_time()
+    cpu, started = time.process_time(), time.perf_counter()
     results, wall = asyncio.run(arrivals(target, rate, duration_s, max_tokens, seed, timeout_s, exact, min_requests))
-    cpu = time.process_time() - cpu
+    cpu, ended = time.process_time() - cpu, time.perf_counter()
     tokens_from = target.count_tokens(results)  # after the window: not timed, not the client's share
     done = [r for r in results if r.ok]
     good = [r for r in done if r.good(ttft_slo_s, itl_slo_ms / 1000)]
@@ -532,6 +532,8 @@ def run_rate(target: Target, rate: float, duration_s: float, max_tokens: int = 6
     return {"rate": rate, "exact": exact and target.protocol == "openai", "sent": len(results), "follow_ups": sum(r.turn > 1 for r in results),
             "completed": len(done), "failed": len(results) - len(done),
             "errors": sorted({r.error for r in results if r.error})[:5], "wall_s": round(wall, 1),
+            # The window on the monotonic clock a server's step log also uses (benchmarks/step_log.py).
+            "window": [round(started, 3), round(ended, 3)],
             "req_per_s": round(len(done) / wall, 3),
             "output_tok_s": round(sum(r.output_tokens or 0 for r in done) / wall, 1), "output_tokens_from": tokens_from,
             "ttft_p50_s": pct([r.ttft_s for r in done], 0.5), "ttft_p99_s": pct([r.ttft_s for r in done], 0.99),

@@ -27,26 +27,19 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("log")
-    parser.add_argument("--since-s", type=float, default=0.0, help="skip the log's first seconds (warm-up)")
-    parser.add_argument("--slowest", type=int, default=8, help="list this many of the slowest steps")
-    args = parser.parse_args()
-    with open(args.log) as file:
-        steps = [json.loads(line) for line in file if line.strip()]
-    start = steps[0]["t"] + args.since_s
-    steps = [s for s in steps if s["t"] >= start]
+def read(path: str) -> list[dict]:
+    with open(path) as file:
+        return [json.loads(line) for line in file if line.strip()]
+
+
+def kinds_of(steps: list[dict]) -> dict[str, dict]:
+    """Per kind of step (how it ran; "+prompt" with prompt tokens): count, mean rows and prompt
+    tokens, time p50/p99/max, share of the wall time, and the step-cost model's actual/predicted."""
     wall = steps[-1]["t"] + steps[-1]["ms"] / 1000 - steps[0]["t"]
     kinds: dict[str, list[dict]] = defaultdict(list)
     for step in steps:
         kinds[f"{step['path']}+prompt" if step["prefill"] else step["path"]].append(step)
-    gaps = [1000 * (b["t"] - a["t"]) - a["ms"] for a, b in zip(steps, steps[1:])]
-    busy_gaps = [g for g in gaps if g < 5.0]  # longer ones: the engine had nothing to do
     rows = {}
-    print(f"{len(steps)} steps over {wall:.1f} s")
-    print(f"{'kind':>14} {'steps':>6} {'rows':>6} {'prompt':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'share':>6} "
-          f"{'act/pred p50':>12} {'p99':>6}")
     for kind, group in sorted(kinds.items()):
         times = [s["ms"] for s in group]
         row = {"steps": len(group), "rows_mean": round(statistics.mean(s["rows"] for s in group), 1),
@@ -58,6 +51,26 @@ def main() -> None:
         row["actual_over_predicted"] = ({"p50": round(pct(errors, 0.5), 3), "p99": round(pct(errors, 0.99), 3),
                                          "steps": len(errors)} if errors else None)
         rows[kind] = row
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("log")
+    parser.add_argument("--since-s", type=float, default=0.0, help="skip the log's first seconds (warm-up)")
+    parser.add_argument("--slowest", type=int, default=8, help="list this many of the slowest steps")
+    args = parser.parse_args()
+    steps = read(args.log)
+    start = steps[0]["t"] + args.since_s
+    steps = [s for s in steps if s["t"] >= start]
+    wall = steps[-1]["t"] + steps[-1]["ms"] / 1000 - steps[0]["t"]
+    gaps = [1000 * (b["t"] - a["t"]) - a["ms"] for a, b in zip(steps, steps[1:])]
+    busy_gaps = [g for g in gaps if g < 5.0]  # longer ones: the engine had nothing to do
+    rows = kinds_of(steps)
+    print(f"{len(steps)} steps over {wall:.1f} s")
+    print(f"{'kind':>14} {'steps':>6} {'rows':>6} {'prompt':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'share':>6} "
+          f"{'act/pred p50':>12} {'p99':>6}")
+    for kind, row in rows.items():
         error = row["actual_over_predicted"]
         error = f"{error['p50']:>12} {error['p99']:>6}" if error else f"{'-':>12} {'-':>6}"
         print(f"{kind:>14} {row['steps']:>6} {row['rows_mean']:>6} {row['prompt_mean']:>7} {row['p50_ms']:>8} "

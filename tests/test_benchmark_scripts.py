@@ -127,7 +127,7 @@ def test_soak_script_short(tiny_model_dir):
 
 RATE_FIELDS = {"rate", "exact", "sent", "follow_ups", "completed", "failed", "errors", "wall_s", "req_per_s", "output_tok_s",
                "output_tokens_from", "ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "good", "goodput_req_s",
-               "good_share", "ttft_missed", "itl_missed", "client_cpu_s", "client_cpu_share", "cached_share"}
+               "good_share", "ttft_missed", "itl_missed", "client_cpu_s", "client_cpu_share", "cached_share", "window"}
 
 
 def check_rate_row(row):
@@ -143,6 +143,7 @@ def check_rate_row(row):
     # goodput and completed/s share the wall time: their ratio is good / completed
     assert row["goodput_req_s"] <= row["req_per_s"]
     assert abs(row["goodput_req_s"] * row["completed"] - row["req_per_s"] * row["good"]) < 0.01 * row["completed"]
+    assert row["window"][1] - row["window"][0] >= row["wall_s"] - 0.1  # the arrivals and their replies
     assert 0 < row["client_cpu_s"] < row["wall_s"]  # the client's own CPU, a small share of the run
     assert row["cached_share"] > 0  # the shared preset prompts come from the prefix cache
 
@@ -226,6 +227,11 @@ def test_serve_comparison_script_runs_the_engine_and_reports_peers_not_set_up(ti
     rounds = engine["one_chat"]["rounds_tok_s"]  # the median of three rounds, as the engine offline's
     assert len(rounds) == 3 and engine["one_chat_tok_s"] == sorted(rounds)[1]
     assert "--dtype float32" in engine["command"] and "compiled_wait_s" in engine
+    if best is not None:  # the server's own steps while that rate ran, from its step log
+        at_limit = engine["steps"]["max_good_rate"]
+        assert at_limit["rate"] == best and at_limit["target_ms"] == 120.0
+        assert sum(kind["steps"] for kind in at_limit["kinds"].values()) > 0
+        assert any("every kind of step" in key for key in figures["goals"])
     systems = figures["systems"]
     assert "vllm_cpu.sh setup" in systems["vllm"]["missing"]
     assert "OUTTYPE=f32" in systems["llamacpp"]["missing"] and "llama-server" in systems["llamacpp_q4_1"]["missing"]

@@ -68,6 +68,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import serve  # noqa: E402  (benchmarks/serve.py: the trace, the client, the figures)
+import step_log  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
 BUILD = ROOT / "benchmarks" / "peers" / ".build"
@@ -127,7 +128,9 @@ def server_for(name: str, dtype: str, port: int, build: Path, scratch: Path, mod
     root = f"http://127.0.0.1:{port}/"
     if name == "engine":
         command = [PYTHON, "-m", "engine.serve", "--port", str(port), "--dtype", dtype]
-        return Server(name, command + (["--model", model] if model else []), "openai", root, compiled=True)
+        steps = build / "serve-logs" / "engine-steps.jsonl"
+        return Server(name, command + (["--model", model] if model else []), "openai", root, compiled=True,
+                      env={"PAGEDCHAT_STEP_LOG": str(steps)})
     if name == "chat_page":
         command = [PYTHON, "app.py", "--port", str(port), "--db", str(scratch / "chats.db")]
         return Server(name, command + (["--model", model] if model else []), "gradio", root,
@@ -216,12 +219,17 @@ def run_system(name: str, args: argparse.Namespace, build: Path) -> dict:
         report: dict = {"protocol": server.protocol, "command": " ".join(server.command),
                         "load_before": round(os.getloadavg()[0], 2)}
         print(f"\n== {name}: {report['command']}", flush=True)
+        steps = server.env.get("PAGEDCHAT_STEP_LOG")
+        if steps:
+            Path(steps).unlink(missing_ok=True)
         running = Running(server, build / "serve-logs" / f"{name}.log")
         try:
             target = start(running, report, args)
             measure(name, target, running, report, args)
         finally:
             running.stop()
+        if steps and Path(steps).exists():
+            report["steps"] = steps_at_the_limit(report, step_log.read(steps))
         return report
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -287,6 +295,26 @@ def measure(name: str, target: serve.Target, running: Running, report: dict, arg
     report["sustained_every_rate"] = bool(rows) and report["first_unsustained_rate"] is None and "error" not in report
 
 
+def steps_at_the_limit(report: dict, steps: list[dict]) -> dict:
+    """The server's steps (its step log) while the highest sustained rate and the first
+    unsustained one ran: per kind, p50/p99 and the step-cost model's actual/predicted."""
+    found = {}
+    for key in ("max_good_rate", "first_unsustained_rate"):
+        row = next((r for r in report["rates"] if r["rate"] == report.get(key)), None)
+        if row is None:
+            continue
+        start, end = row["window"]
+        during = [s for s in steps if start <= s["t"] <= end]
+        if during:
+            found[key] = {"rate": row["rate"], "target_ms": during[0].get("target_ms"), "kinds": step_log.kinds_of(during)}
+            print(f"steps at {row['rate']}/s ({key}):", flush=True)
+            for kind, figures in found[key]["kinds"].items():
+                error = figures["actual_over_predicted"]
+                print(f"  {kind:>14} {figures['steps']:>5} steps, p50 {figures['p50_ms']} ms, p99 {figures['p99_ms']} ms"
+                      + (f", actual/predicted p99 {error['p99']}" if error else ""), flush=True)
+    return found
+
+
 def engine_offline(args: argparse.Namespace) -> dict | None:
     """Our engine alone, no server (engine_alone.py): one chat's tok/s and decode step time, the
     figures the served ones are held to, measured in this run."""
@@ -335,6 +363,13 @@ def print_goals(systems: dict, offline: dict | None) -> dict:
                    and row["itl_p99_ms"] <= peer_row["itl_p99_ms"])
             goal(f"at {rate:g}/s (vLLM sustains it): TTFT p99, ITL p99 <= vLLM's", met,
                  ours=[row["ttft_p99_s"], row["itl_p99_ms"]], vllm=[peer_row["ttft_p99_s"], peer_row["itl_p99_ms"]])
+        if not theirs:  # vLLM sustains no rate (a slow host): the good share at every rate both ran
+            peer_rows = {r["rate"]: r for r in vllm["rates"]}
+            for rate, row in sorted(ours.items()):
+                if rate in peer_rows:
+                    theirs_share = peer_rows[rate]["good_share"] or 0
+                    goal(f"at {rate:g}/s (vLLM sustains no rate): good share >= vLLM's",
+                         (row["good_share"] or 0) >= theirs_share, ours=row["good_share"], vllm=theirs_share)
         past = {p["multiple"]: p for p in vllm.get("past_limit", [])}
         for mine in engine.get("past_limit", []):
             peer_row = past.get(mine["multiple"])
@@ -342,6 +377,12 @@ def print_goals(systems: dict, offline: dict | None) -> dict:
                 goal(f"at {mine['multiple']:g}x the highest sustained rate: good share >= vLLM's",
                      (mine["good_share"] or 0) >= (peer_row["good_share"] or 0),
                      ours=[mine["rate"], mine["good_share"]], vllm=[peer_row["rate"], peer_row["good_share"]])
+    at_limit = (engine or {}).get("steps", {}).get("max_good_rate")
+    if at_limit and at_limit["target_ms"]:
+        worst = max(at_limit["kinds"].items(), key=lambda kind: kind[1]["p99_ms"])
+        goal(f"at {at_limit['rate']:g}/s (ours' highest sustained): every kind of step's p99 <= 1.5x the "
+             f"{at_limit['target_ms']:g}-ms target", worst[1]["p99_ms"] <= 1.5 * at_limit["target_ms"],
+             worst=[worst[0], worst[1]["p99_ms"]])
     if offline:
         for name, report in (("engine", engine), ("chat_page", page)):
             if report and report.get("one_chat_tok_s"):

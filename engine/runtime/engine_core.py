@@ -203,6 +203,7 @@ class EngineCore:
             "t": round(started, 6), "ms": round(1000 * seconds, 3), "path": self.runner.last_path,
             "rows": len(out.scheduled), "decodes": out.num_decode_tokens, "prefill": out.num_prefill_tokens,
             "predicted_ms": round(1000 * self.scheduler.predict_step(out), 3) if out.num_prefill_tokens else None,
+            "target_ms": self.scheduler.config.max_step_ms,
             "running": stats.num_running, "waiting": stats.num_waiting}) + "\n")
 
     def _output(self, request: Request, logprobs: dict[int, float] | None) -> TokenOutput:
