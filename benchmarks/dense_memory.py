@@ -28,6 +28,7 @@ from pathlib import Path
 if not __package__:  # run as a script: the repository root first (benchmarks/kernels.py shadows kernels)
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from benchmarks.fresh_process import run_fresh  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 
 MiB = 2 ** 20
@@ -132,13 +133,7 @@ def run_case(model: str | None, dtype: str, compile_decode: bool) -> dict:
         for kind in ("lone", "flat"):
             subprocess.run([sys.executable, "-m", "engine.worker.compiled", "--kind", kind, "--dtype", dtype,
                             *(["--model", model] if model else [])], check=True, capture_output=True, timeout=7200)
-    code = (f"import json, sys; sys.path[0] = {str(Path(__file__).resolve().parents[1])!r}; "
-            "from benchmarks.dense_memory import measure_case; "
-            f"print(json.dumps(measure_case({model!r}, {dtype!r}, {compile_decode!r})))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=7200)
-    if result.returncode != 0:
-        raise RuntimeError(f"{model} ({dtype}): {result.stderr[-2000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_fresh("benchmarks.dense_memory", "measure_case", model, dtype, compile_decode, what=f"{model} ({dtype})")
 
 
 def runtime_model() -> Path:

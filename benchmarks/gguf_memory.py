@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 if not __package__:  # run as a script: the repository root first (benchmarks/kernels.py shadows kernels)
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from benchmarks.fresh_process import run_fresh  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 
 MiB = 2 ** 20
@@ -56,13 +56,8 @@ def measure_case(model: str, quantization: str | None, blocks: int, host_blocks:
 
 
 def run_case(model: str, quantization: str | None, blocks: int, host_blocks: int) -> dict:
-    code = (f"import json, sys; sys.path[0] = {str(Path(__file__).resolve().parents[1])!r}; "
-            "from benchmarks.gguf_memory import measure_case; "
-            f"print(json.dumps(measure_case({model!r}, {quantization!r}, {blocks}, {host_blocks})))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
-    if result.returncode != 0:
-        raise RuntimeError(f"{model} ({quantization}): {result.stderr[-2000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_fresh("benchmarks.gguf_memory", "measure_case", model, quantization, blocks, host_blocks,
+                     timeout_s=1800, what=f"{model} ({quantization})")
 
 
 def main() -> None:

@@ -5,6 +5,8 @@ own weights; the embedded SmolLM2 GGUF named by path caches only its config and 
 its tokenizer and chat template from the file and decodes as the embedded default does."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import os
 
 import numpy as np
@@ -31,15 +33,24 @@ def private_cache(tmp_path, monkeypatch):
 def write_gguf(path, arch: str, tensors, file_type: int = 0) -> str:
     """A GGUF at `path` holding `tensors`, (name, array, type) each (quantized arrays as
     gguf.quants gives them)."""
-    writer = GGUFWriter(str(path), arch=arch)
+    return str(write_gguf_parts(path, arch, tensors, file_type)[0])
+
+
+def write_gguf_parts(path, arch: str, tensors, file_type: int = 0, split_max_tensors: int = 0,
+                     metadata=None) -> list[Path]:
+    """`write_gguf`, split as llama.cpp's gguf-split splits (at `split_max_tensors` tensors a
+    part; 0: one file), `metadata(writer)` adding keys first. Returns the files written."""
+    writer = GGUFWriter(str(path), arch=arch, split_max_tensors=split_max_tensors)
     writer.add_file_type(file_type)
+    if metadata is not None:
+        metadata(writer)
     for name, array, qtype in tensors:
         writer.add_tensor(name, array, raw_dtype=None if qtype == T.F32 else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return str(path)
+    return writer.format_shard_names(Path(path))
 
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path, private_cache):

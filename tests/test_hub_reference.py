@@ -22,7 +22,7 @@ from engine.worker.loading.gguf_folder import gguf_source
 from engine.worker.loading.hub_reference import (HubReference, HubReferenceError, choose_gguf, gguf_models,
                                                  hub_gguf_file, parse_hub_reference)
 from tests.test_checkpoint import assert_same
-from tests.test_gguf_file import GGUF_NAMES, llama_cpp_permute, tiny_llama_tensors, write_gguf
+from tests.test_gguf_file import tiny_llama_tensors, write_gguf, write_gguf_parts
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -115,43 +115,32 @@ def cache_repo(cache: Path, repo_id: str, files: dict[str, Path | bytes]) -> Pat
 
 
 def write_tiny_model(path: Path, hf_model, vocabulary_from: str, split_max_tensors: int = 0) -> list[Path]:
-    """The tiny Llama as a whole GGUF model, its files written by gguf-py's GGUFWriter (split as
-    llama.cpp's gguf-split splits, at `split_max_tensors` a part): llama hyperparameters,
-    `vocabulary_from`'s tokenizer, every tensor in F32, and its tied head written out as
-    `output.weight`, last (a split model's head in its last part). Returns its files."""
+    """The tiny Llama as a whole GGUF model (split as llama.cpp's gguf-split splits, at
+    `split_max_tensors` a part): llama hyperparameters, `vocabulary_from`'s tokenizer, every
+    tensor in F32, and its tied head written out as `output.weight`, last (a split model's head in
+    its last part). Returns its files."""
     config = hf_model.config
-    writer = GGUFWriter(str(path), arch="llama", split_max_tensors=split_max_tensors)
-    writer.add_name("tiny")
-    writer.add_file_type(0)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    for key, field in open_reader(vocabulary_from).fields.items():  # the engine's reader: gguf's takes seconds
-        if key.startswith("tokenizer."):
-            array = field.types[0] == GGUFValueType.ARRAY
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
-    state = {name: t.detach().float().numpy() for name, t in hf_model.state_dict().items()}
-    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
-    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
-    for layer in range(config.num_hidden_layers):
-        for hf_name, gguf_name in GGUF_NAMES.items():
-            weights = state[f"model.layers.{layer}.{hf_name}.weight"]
-            if gguf_name in ("attn_q", "attn_k"):
-                heads = config.num_attention_heads if gguf_name == "attn_q" else config.num_key_value_heads
-                weights = llama_cpp_permute(weights, heads)
-            writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", weights)
-    writer.add_tensor("output.weight", state["model.embed_tokens.weight"].copy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return writer.format_shard_names(Path(path))
+
+    def metadata(writer: GGUFWriter) -> None:
+        writer.add_name("tiny")
+        writer.add_context_length(config.max_position_embeddings)
+        writer.add_embedding_length(config.hidden_size)
+        writer.add_block_count(config.num_hidden_layers)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count(config.num_attention_heads)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_vocab_size(config.vocab_size)
+        for key, field in open_reader(vocabulary_from).fields.items():  # the engine's reader: gguf's takes seconds
+            if key.startswith("tokenizer."):
+                array = field.types[0] == GGUFValueType.ARRAY
+                writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+
+    tensors = tiny_llama_tensors(hf_model, GGMLQuantizationType.F32, encode=lambda weights: weights)
+    head = hf_model.state_dict()["model.embed_tokens.weight"].detach().float().numpy().copy()
+    tensors.append(("output.weight", head, GGMLQuantizationType.F32))
+    return write_gguf_parts(path, "llama", tensors, 0, split_max_tensors, metadata)
 
 
 @pytest.fixture(scope="module")
@@ -238,15 +227,7 @@ def test_a_split_model_reads_as_one(tmp_path, tiny_hf):
     first part only); its parts read as the unsplit file does."""
     tensors = tiny_llama_tensors(tiny_hf)
     whole = write_gguf(tmp_path / "whole.gguf", "llama", tensors, file_type=7)
-    writer = GGUFWriter(str(tmp_path / "tiny.gguf"), arch="llama", split_max_tensors=7)
-    writer.add_file_type(7)
-    for name, array, qtype in tensors:
-        writer.add_tensor(name, array, raw_dtype=None if qtype == GGMLQuantizationType.F32 else qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    parts = writer.format_shard_names(tmp_path / "tiny.gguf")
+    parts = write_gguf_parts(tmp_path / "tiny.gguf", "llama", tensors, file_type=7, split_max_tensors=7)
     assert len(parts) == 3
     last = GGUFReader(parts[-1]).fields
     assert "general.architecture" not in last
