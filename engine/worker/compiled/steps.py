@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def enabled_by_default() -> bool:
 
 def supported(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the compiled step cannot run here, or None when it may (whether a package can be
-    built is found out in the background: importing inductor alone takes a second)."""
+    built is found out in the background, by building it)."""
     if device.type != "cpu":
         return f"it is built for CPUs (the engine runs on {device.type})"
     if dtype not in DTYPES:
@@ -61,10 +62,10 @@ def supported(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def _check_compiler() -> None:
-    from torch._inductor import config
-    compiler = config.cpp.cxx[1] if isinstance(config.cpp.cxx, tuple) else config.cpp.cxx
-    if shutil.which(compiler or "g++") is None:
-        raise RuntimeError(f"no C++ compiler ({compiler or 'g++'}) on PATH to build it with")
+    # The compiler inductor builds with: $CXX, else its platform's default (torch._inductor.config.cpp.cxx).
+    compiler = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler}) on PATH to build it with")
 
 
 class CompiledSteps:
@@ -81,7 +82,7 @@ class CompiledSteps:
         if unknown or not kinds:
             raise ValueError(f"kinds must be some of {KINDS}, not {kinds}")
         self.model, self.dtype, self.decoder, self.kinds = model, dtype, decoder, kinds
-        self.paths: dict[str, Path] = {}  # by kind, found in the background (inductor's ISA check compiles a probe)
+        self.paths: dict[str, Path] = {}  # by kind, found in the background
         self.error: str | None = None  # why a step is unavailable (the other may still be ready)
         self._runs: dict[str, object] = {}  # by kind, once loaded
         self._constants: dict[str, dict[str, torch.Tensor]] = {}  # by kind: the weights its package runs on
@@ -127,7 +128,7 @@ class CompiledSteps:
         all that is left (seconds), no build (minutes)."""
         try:
             paths = [package_path(self.model, self.dtype, kind) for kind in self.kinds]
-        except Exception:  # noqa: BLE001 - no compiler for the ISA probe: the background path says so
+        except Exception:  # noqa: BLE001 - no key for the model (its files unreadable): the background path says so
             return False
         return all(path.exists() and digest_problem(path) is None for path in paths)
 
