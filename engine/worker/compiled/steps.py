@@ -36,6 +36,7 @@ from engine.worker.compiled.shapes import CAPACITY_STEP, DTYPES, KINDS
 from engine.worker.flat_batch import FlatSequence, flat_batch
 from engine.worker.host_allocator import release_freed_memory
 from engine.worker.compiled.flat_step import FlatStep
+from engine.worker.compiled.loaded_package import LoadedPackage
 from engine.worker.compiled.lone_step import LoneStep
 from engine.worker.models.llama import LlamaModel
 from engine.worker.package_trust import digest_path, digest_problem, folder_problem
@@ -178,8 +179,8 @@ class CompiledSteps:
         # loading) back to the kernel: the engine keeps freed memory otherwise (host_allocator.py).
         release_freed_memory()
 
-    def _load(self, path: Path, kind: str):
-        run = torch._inductor.aoti_load_package(str(path))
+    def _load(self, path: Path, kind: str) -> LoadedPackage:
+        run = LoadedPackage(path)
         # The engine's weights themselves (the flat step's), or the lone step's one-row layout of
         # them, made here: kept by this object as long as the package runs on them.
         step = FlatStep(self.decoder) if kind == "flat" else LoneStep(self.decoder)
