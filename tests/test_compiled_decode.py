@@ -222,15 +222,15 @@ def fake_builds(builds_settled, fake_kit, monkeypatch):
 
 
 def spy_loads(monkeypatch) -> list[tuple[Path, bytes]]:
-    """Every package `aoti_load_package` is asked to load, with its bytes then: (path, bytes).
-    Nothing is loaded (it raises, so the engine goes on eagerly)."""
+    """Every package the engine is asked to load, with its bytes then: (path, bytes). Nothing is
+    loaded (it raises, so the engine goes on eagerly)."""
     seen = []
 
-    def spy(path, *args, **kwargs):
+    def spy(path):
         seen.append((Path(path), Path(path).read_bytes()))
         raise RuntimeError("the test's stand-in loads nothing")
 
-    monkeypatch.setattr(torch._inductor, "aoti_load_package", spy)
+    monkeypatch.setattr(steps, "LoadedPackage", spy)
     return seen
 
 
@@ -444,6 +444,40 @@ def test_a_build_ends_when_the_engine_process_is_killed(fake_kit, tiny_model_dir
 def test_the_engine_built_each_step_with_its_digest_recorded(slice_compiled, slice_dir):
     for kind in KINDS:
         assert package_trust.digest_problem(package_path(slice_dir, torch.float32, kind)) is None
+
+
+SERVE_BUILT = textwrap.dedent('''
+    import json
+    import sys
+    from engine import LLM, SamplingParams
+
+    llm = LLM(sys.argv[1], dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, compile_decode=True)
+    compiled = llm.engine.compiled
+    assert compiled.all_built() and compiled.wait(120), compiled.error
+    ran = set()
+    for method in ("decode", "run_flat"):
+        step = getattr(compiled, method)
+        setattr(compiled, method, lambda *args, step=step, method=method: ran.add(method) or step(*args))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate([[5, 6, 7, 8], [9, 10]], greedy)  # a batch: the flat step
+    llm.generate([[5, 6, 7, 8]], greedy)  # a lone chat: its decode step
+    compiler = [m for m in sys.modules if m.split(".")[:2] in (["torch", "_inductor"], ["torch", "_dynamo"])]
+    print(json.dumps({"ran": sorted(ran), "compiler": compiler}))
+''')
+
+
+def test_serving_built_steps_never_imports_the_compiler(slice_compiled, slice_dir):
+    """A process that loads the built packages and serves with them has no use for inductor
+    (or dynamo, which it imports): ~140 MiB resident that only a build needs."""
+    import json
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": f"{tests.parent}:{tests}"}  # the packages folder of this module's
+    done = subprocess.run([PYTHON, "-c", SERVE_BUILT, slice_dir], cwd=tests.parent, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    served = json.loads(done.stdout.strip().splitlines()[-1])
+    assert served == {"ran": ["decode", "run_flat"], "compiler": []}
 
 
 def test_lone_chats_decode_the_eager_tokens(slice_compiled, slice_dir, tokenizer, monkeypatch):
@@ -676,7 +710,7 @@ def test_a_server_core_loads_built_steps_before_its_first_request(fake_builds, t
 
 
 class FakePackage:
-    """What a stand-in `aoti_load_package` returns: runs nothing, keeps the constants it is handed."""
+    """A stand-in for a loaded package (`LoadedPackage`): runs nothing, keeps the constants it is handed."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.constants, self.options = path, None, None
@@ -691,11 +725,11 @@ class FakePackage:
 def fake_loads(monkeypatch) -> list[FakePackage]:
     loaded = []
 
-    def load(path, *args, **kwargs):
+    def load(path):
         loaded.append(FakePackage(Path(path)))
         return loaded[-1]
 
-    monkeypatch.setattr(torch._inductor, "aoti_load_package", load)
+    monkeypatch.setattr(steps, "LoadedPackage", load)
     return loaded
 
 

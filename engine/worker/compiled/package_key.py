@@ -12,6 +12,7 @@ import torch
 
 from engine.worker.cache_folders import packages_folder
 from engine.worker.compiled.shapes import MAX_CONTEXT
+from engine.worker.compiled.vector_isa import vector_isa
 from engine.worker.loading.model_files import resolve_model
 from engine.worker.models.layers.linear import packed_for_onednn
 
@@ -32,12 +33,10 @@ PROBE_SIZE = 16  # a matrix this small tells whether oneDNN packs the dtype here
 
 def package_path(model: str | None, dtype: torch.dtype, kind: str = "lone") -> Path:
     """Where the `kind` package for `model` in `dtype` on this machine lives."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
     root = Path(__file__).resolve().parents[3]
     folder = Path(resolve_model(model))
     name = folder.name
-    identity = {"model": str(folder), "dtype": str(dtype), "torch": torch.__version__, "isa": str(pick_vec_isa()),
+    identity = {"model": str(folder), "dtype": str(dtype), "torch": torch.__version__, "isa": vector_isa(),
                 "max_context": MAX_CONTEXT,
                 # the flat graph is traced for packed or plain matrices: whichever oneDNN does here
                 "packed": packed_for_onednn(torch.zeros(PROBE_SIZE, PROBE_SIZE, dtype=dtype)) is not None,

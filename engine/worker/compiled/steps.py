@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from engine.worker.compiled.shapes import CAPACITY_STEP, DTYPES, KINDS
 from engine.worker.flat_batch import FlatSequence, flat_batch
 from engine.worker.host_allocator import release_freed_memory
 from engine.worker.compiled.flat_step import FlatStep
+from engine.worker.compiled.loaded_package import LoadedPackage
 from engine.worker.compiled.lone_step import LoneStep
 from engine.worker.models.llama import LlamaModel
 from engine.worker.package_trust import digest_path, digest_problem, folder_problem
@@ -50,7 +52,7 @@ def enabled_by_default() -> bool:
 
 def supported(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the compiled step cannot run here, or None when it may (whether a package can be
-    built is found out in the background: importing inductor alone takes a second)."""
+    built is found out in the background, by building it)."""
     if device.type != "cpu":
         return f"it is built for CPUs (the engine runs on {device.type})"
     if dtype not in DTYPES:
@@ -61,10 +63,10 @@ def supported(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def _check_compiler() -> None:
-    from torch._inductor import config
-    compiler = config.cpp.cxx[1] if isinstance(config.cpp.cxx, tuple) else config.cpp.cxx
-    if shutil.which(compiler or "g++") is None:
-        raise RuntimeError(f"no C++ compiler ({compiler or 'g++'}) on PATH to build it with")
+    # The compiler inductor builds with: $CXX, else its platform's default (torch._inductor.config.cpp.cxx).
+    compiler = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler}) on PATH to build it with")
 
 
 class CompiledSteps:
@@ -81,7 +83,7 @@ class CompiledSteps:
         if unknown or not kinds:
             raise ValueError(f"kinds must be some of {KINDS}, not {kinds}")
         self.model, self.dtype, self.decoder, self.kinds = model, dtype, decoder, kinds
-        self.paths: dict[str, Path] = {}  # by kind, found in the background (inductor's ISA check compiles a probe)
+        self.paths: dict[str, Path] = {}  # by kind, found in the background
         self.error: str | None = None  # why a step is unavailable (the other may still be ready)
         self._runs: dict[str, object] = {}  # by kind, once loaded
         self._constants: dict[str, dict[str, torch.Tensor]] = {}  # by kind: the weights its package runs on
@@ -127,7 +129,7 @@ class CompiledSteps:
         all that is left (seconds), no build (minutes)."""
         try:
             paths = [package_path(self.model, self.dtype, kind) for kind in self.kinds]
-        except Exception:  # noqa: BLE001 - no compiler for the ISA probe: the background path says so
+        except Exception:  # noqa: BLE001 - no key for the model (its files unreadable): the background path says so
             return False
         return all(path.exists() and digest_problem(path) is None for path in paths)
 
@@ -177,8 +179,8 @@ class CompiledSteps:
         # loading) back to the kernel: the engine keeps freed memory otherwise (host_allocator.py).
         release_freed_memory()
 
-    def _load(self, path: Path, kind: str):
-        run = torch._inductor.aoti_load_package(str(path))
+    def _load(self, path: Path, kind: str) -> LoadedPackage:
+        run = LoadedPackage(path)
         # The engine's weights themselves (the flat step's), or the lone step's one-row layout of
         # them, made here: kept by this object as long as the package runs on them.
         step = FlatStep(self.decoder) if kind == "flat" else LoneStep(self.decoder)
