@@ -175,3 +175,32 @@ def test_embedded_gguf_by_path_decodes_as_the_default(embedded_gguf, smol_llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ours = llm.generate([ids], greedy)[0].outputs[0].token_ids
     assert ours == smol_llm.generate([ids], greedy)[0].outputs[0].token_ids and len(ours) == 12
+
+
+def test_a_gguf_folder_s_tokenizer_loads_as_its_tokenizer_json_whatever_class_it_names(tmp_path):
+    """A qwen2 GGUF's cached folder names Qwen2Tokenizer, which would build its pipeline again
+    beside tokenizer.json (~190 MiB for Qwen's vocabulary): the folder loads tokenizer.json as it
+    is, with the same ids, special tokens and chat template as the named class."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.qwen_style_tokenizer import qwen_style_tokenizer
+    from engine.worker.loading.gguf_folder import GGUF_SOURCE
+    from engine.worker.loading.model_loader import load_tokenizer
+    from engine.worker.loading.tokenizer_files import tokenizer_at
+
+    qwen_style_tokenizer(load_tokenizer(None)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
+    named = AutoTokenizer.from_pretrained(tmp_path)
+    assert type(named).__name__ == "Qwen2Tokenizer"
+    (tmp_path / GGUF_SOURCE).write_text("{}")
+    loaded = tokenizer_at(str(tmp_path))
+    assert type(loaded).__name__ != "Qwen2Tokenizer"
+    for text in ("Hello world!", "  spaces\tand\n\nnewlines 2024", "ünïcödé 中文 🤖", "<|im_start|>user\nhi<|im_end|>"):
+        assert loaded(text).input_ids == named(text).input_ids
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    assert loaded.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        named.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (loaded.eos_token_id, loaded.bos_token, len(loaded)) == (named.eos_token_id, named.bos_token, len(named))
