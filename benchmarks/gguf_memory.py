@@ -6,7 +6,7 @@ Each case runs in a fresh process that builds `LLM` with the same KV pools and g
 tokens, then reports its RSS (and peak RSS). The runtime is an engine on a 2-layer, 64-wide
 random Llama (benchmarks/random_llama.py's random-llama-tiny): Python, torch, transformers, the
 engine and its libraries, with weights of a few megabytes. The check the issue asks of the
-native case: RSS <= the GGUF's size x 1.3 + the KV pools + the runtime. The pools are what the
+native case: RSS <= the GGUF's size x 1.2 + the KV pools + the runtime. The pools are what the
 engine allocated (its device and host caches' bytes; zero pages count in RSS only once touched).
 
     .venv/bin/python benchmarks/gguf_memory.py FILE.gguf [--blocks 256] [--host-blocks 16]
@@ -29,6 +29,7 @@ from benchmarks.fresh_process import run_fresh  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 
 MiB = 2 ** 20
+BUDGET_FACTOR = 1.2  # the file, plus a fifth for what the engine keeps beside its quantized groups
 
 
 def _status() -> dict[str, int]:
@@ -78,7 +79,7 @@ def main() -> None:
     native = run_case(args.file, "native", args.blocks, args.host_blocks)
     dense = run_case(args.file, "dequantize", args.blocks, args.host_blocks)
     runtime_bytes = runtime["VmRSS"] - runtime["pools"]
-    budget = info.size_bytes * 1.3 + native["pools"] + runtime_bytes
+    budget = info.size_bytes * BUDGET_FACTOR + native["pools"] + runtime_bytes
     cpu = cpu_model()
     print(f"Memory of an engine on {Path(args.file).name} ({info.file_type}, {info.size_bytes / MiB:.0f} MiB), "
           f"{args.blocks} + {args.host_blocks} KV blocks, on {cpu}")
@@ -89,7 +90,7 @@ def main() -> None:
         rest = case["VmRSS"] - case["pools"] - (runtime_bytes if case is not runtime else 0)
         print(f"| {name} | {case['VmRSS'] / MiB:.0f} MiB | {case['VmHWM'] / MiB:.0f} MiB | {case['pools'] / MiB:.0f} MiB "
               f"| {rest / MiB:.0f} MiB |")
-    print(f"budget: GGUF x 1.3 + pools + runtime = {budget / MiB:.0f} MiB; native RSS {native['VmRSS'] / MiB:.0f} MiB: "
+    print(f"budget: GGUF x {BUDGET_FACTOR} + pools + runtime = {budget / MiB:.0f} MiB; native RSS {native['VmRSS'] / MiB:.0f} MiB: "
           f"{'within' if native['VmRSS'] <= budget else 'OVER'}")
     print(json.dumps({"benchmark": "gguf_memory", "cpu": cpu, "file": Path(args.file).name, "type": info.file_type,
                       "gguf_bytes": info.size_bytes, "runtime_rss": runtime_bytes, "native": native, "dequantized": dense,
