@@ -180,3 +180,19 @@ print(len(tokens), core.eos_token_id, [m for m in {unwanted!r} + ("torch._dynamo
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[-2] == "4 2 []"
+
+
+def test_a_qwen2_folder_reads_as_its_transformers_model(tmp_path):
+    """Qwen2 is read like Llama plus its q, k and v biases: the same weights, biases and rotary
+    table as transformers' Qwen2 model gives, without building it."""
+    from benchmarks.qwen_style_tokenizer import qwen_style_tokenizer
+    from benchmarks.random_llama import build_random_llama
+    from engine.worker.loading.model_loader import load_tokenizer
+
+    folder = tmp_path / "qwen"
+    build_random_llama("random-qwen2-tiny", qwen_style_tokenizer(load_tokenizer(None)), torch.float32, str(folder))
+    read = read_folder(folder, torch.float32)
+    assert read is not None and read.config.qkv_bias
+    assert "model.layers.1.self_attn.k_proj.bias" in read.parameters
+    assert_same(read, of_transformers(load_hf_model(str(folder), torch.float32)[0]))
+    assert read_folder(copy_with_config(folder, tmp_path, use_sliding_window=True), torch.float32) is None

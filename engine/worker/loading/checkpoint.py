@@ -1,14 +1,14 @@
 """What the engine takes from a model: its config, its weights by transformers' parameter names, and
 its rotary frequencies.
 
-A Llama folder of safetensors (the embedded default's converted folder, a transformers save, a
-hub snapshot on disk) is read directly: the config from config.json, the tensors into memory of
-their own (safetensors_file.py), the rotary frequencies computed as transformers computes them; a Llama GGUF file
-likewise (gguf_file.read_checkpoint, with its cached folder's config.json). Building the
+A Llama or Qwen2 folder of safetensors (the embedded default's converted folder, a transformers
+save, a hub snapshot on disk) is read directly: the config from config.json, the tensors into
+memory of their own (safetensors_file.py), the rotary frequencies computed as transformers computes
+them; a Llama or Qwen2 GGUF file likewise (gguf_file.read_checkpoint, with its cached folder's config.json). Building the
 transformers model instead imports transformers' modelling stack, which pulls in torch._dynamo,
 triton and torch.distributed.tensor: ~3-5 s of CPU on a 2-core EPYC at every start of an engine,
 its core process or a compiled step's build, and ~160 MiB of resident memory, for weights the
-engine copies out at once anyway. Anything else (a hub id, Mistral and Qwen2 folders or files,
+engine copies out at once anyway. Anything else (a hub id, Mistral folders or files, sliding windows,
 other RoPE scalings, a config that leaves out what we would have to guess) goes through the
 transformers model (`of_transformers`).
 """
@@ -31,6 +31,7 @@ ROPE_TYPES = ("default", "llama3")
 # What a config.json must spell out to be read here (transformers' defaults for the rest are
 # LlamaConfig's, which this module repeats only for keys whose default is plain).
 REQUIRED_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+READ_TYPES = ("llama", "qwen2")  # config.json's model_type: the families read here
 LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word_embeddings": False,
                   "head_dim": None}
 
@@ -98,7 +99,7 @@ def read_folder(path: str | Path, dtype: torch.dtype) -> Checkpoint | None:
     tied = bool(config.tie_word_embeddings)
     if tied:
         parameters.pop("lm_head.weight", None)
-    if not _complete(parameters, config.num_hidden_layers, tied):
+    if not _complete(parameters, config.num_hidden_layers, tied, config.qkv_bias):
         return None
     return Checkpoint(config=config, parameters=parameters, inv_freq=rotary_inv_freq(config, rope), tied=tied)
 
@@ -107,14 +108,18 @@ def llama_config(raw: dict) -> tuple[SimpleNamespace, dict] | None:
     """config.json's keys (`raw`) as the engine reads a config, with its rotary parameters; None
     for what this module does not read (another family, a quantization config, a key left out
     that transformers would default, another RoPE scaling)."""
-    if raw.get("model_type") != "llama" or "quantization_config" in raw or any(k not in raw for k in REQUIRED_KEYS):
+    if raw.get("model_type") not in READ_TYPES or "quantization_config" in raw or any(k not in raw for k in REQUIRED_KEYS):
         return None
+    if raw.get("use_sliding_window") or raw.get("attention_bias") or raw.get("mlp_bias"):
+        return None  # attention or biases this module does not read: transformers' model does
     rope = _rope_parameters(raw)
     if rope is None:
         return None
     config = SimpleNamespace(**(LLAMA_DEFAULTS | raw))
     config.num_key_value_heads = raw.get("num_key_value_heads") or config.num_attention_heads
     config.rope_parameters = rope
+    # Qwen2 is Llama with biases on q, k and v (transformers' Qwen2Attention): read like it.
+    config.qkv_bias = raw["model_type"] == "qwen2"
     return config, rope
 
 
@@ -164,17 +169,20 @@ def _safetensors_files(folder: Path) -> list[Path] | None:
     return None
 
 
-def llama_parameter_names(num_layers: int, tied: bool) -> list[str]:
-    """Every weight the engine reads of a Llama decoder, by transformers' names."""
+def llama_parameter_names(num_layers: int, tied: bool, qkv_bias: bool = False) -> list[str]:
+    """Every weight the engine reads of a Llama decoder (with `qkv_bias`: a Qwen2's), by
+    transformers' names."""
     names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
     for i in range(num_layers):
         prefix = f"model.layers.{i}"
         names += [f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight"]
         names += [f"{prefix}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if qkv_bias:
+            names += [f"{prefix}.self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
         names += [f"{prefix}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
     return names
 
 
-def _complete(parameters: dict[str, torch.Tensor], num_layers: int, tied: bool) -> bool:
+def _complete(parameters: dict[str, torch.Tensor], num_layers: int, tied: bool, qkv_bias: bool) -> bool:
     """Every weight the engine reads is in the files (transformers would make up a missing one)."""
-    return all(name in parameters for name in llama_parameter_names(num_layers, tied))
+    return all(name in parameters for name in llama_parameter_names(num_layers, tied, qkv_bias))

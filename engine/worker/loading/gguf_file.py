@@ -152,13 +152,14 @@ def read_checkpoint(path: str | Path, raw_config: dict, dtype: torch.dtype, quan
     reader = open_reader(path)
     info = inspect_gguf(path, reader)
     num_layers = config.num_hidden_layers
-    state_dict, kept, rope_factors = _read_tensors(reader, info, llama_parameter_names(num_layers, tied=False),
+    state_dict, kept, rope_factors = _read_tensors(reader, info, llama_parameter_names(num_layers, False, config.qkv_bias),
                                                    vars(config), dtype, quantized)
     tied = bool(config.tie_word_embeddings)
     if tied:  # as transformers ties it: the head is the embedding, whatever the file holds
         state_dict.pop("lm_head.weight", None)
         kept.pop("lm_head.weight", None)
-    missing = [name for name in llama_parameter_names(num_layers, tied) if name not in state_dict and name not in kept]
+    missing = [name for name in llama_parameter_names(num_layers, tied, config.qkv_bias)
+               if name not in state_dict and name not in kept]
     if missing:
         raise ValueError(f"{missing[:5]} missing from the GGUF file")
     inv_freq = rotary_inv_freq(config, rope)
