@@ -18,7 +18,7 @@ from tests.test_gguf_formats import T, random_tensor
 
 OUT = 37  # not a multiple of the 8-feature blocks: the padding path too
 # how each format's quants are packed in memory (matrix.py's table)
-BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q2_K: 2, T.Q5_0: 6, T.Q5_1: 6, T.Q5_K: 6, T.Q6_K: 6, T.Q8_0: 8,
+BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q2_K: 2, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q6_K: 6, T.Q8_0: 8,
         T.IQ4_NL: 4, T.IQ4_XS: 4, T.Q3_K: 3}
 TABLED = (T.IQ4_NL, T.IQ4_XS)  # 4-bit indices of 16 int8 values
 BATCH_ROWS = native_abi.CONSTANTS["BATCH_ROWS"]  # from this many rows (two levels) the batch loops take a product
@@ -78,6 +78,25 @@ def test_matmul_equals_dequantize_then_matmul(qtype, rows, levels):
     assert (ours - exact).norm() < (0.02 if levels == 1 else 1e-4) * exact.norm()
 
 
+def narrow_groups() -> gguf_formats.Groups:
+    """A Q6_K tensor whose quants all lie in -16..15: kept in 5 bits (q + 16), as Q5_0's are, in
+    groups of 16, which no 5-bit format has."""
+    groups = gguf_formats.unpack(torch.from_numpy(random_tensor(T.Q6_K, OUT)), T.Q6_K)
+    return dataclasses.replace(groups, quants=groups.quants.clamp(-16, 15))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_quants_in_a_narrower_range_are_kept_in_fewer_bits(rows):
+    groups = narrow_groups()
+    matrix = QuantizedMatrix.of(groups, "Q6_K")
+    assert (matrix.bits, matrix.shift, matrix.group_size) == (5, 16, 16)
+    weights = (groups.quants.float() * groups.scale).reshape(OUT, -1)
+    torch.testing.assert_close(matrix.dequantize(), weights, rtol=0, atol=0)
+    x = torch.randn(rows, matrix.in_features, generator=torch.Generator().manual_seed(rows)).double()
+    ours = matmul(x.float(), [matrix]).double()
+    assert ((ours - x @ weights.double().T).abs() <= activation_rounding_bound(x, matrix, 2)).all()
+
+
 def build_library(folder, march: str):
     """The native library built for `-march=<march>` instead of this CPU's own instructions."""
     out = folder / "qmatmul.so"
@@ -130,6 +149,17 @@ def test_other_instruction_sets_compute_the_same(qtype, rows, out, other_library
     x = torch.randn(rows, matrix.in_features, generator=torch.Generator().manual_seed(rows))
     fast = matmul(x, [matrix])
     torch.testing.assert_close(matmul(x, [matrix], lib=other_library), fast, rtol=1e-4, atol=1e-5 * float(fast.abs().max()))
+
+
+@pytest.mark.parametrize("rows", [5, 32])
+def test_narrower_quants_compute_the_same_on_every_build(rows, portable_library, other_library):
+    """narrow_groups' 5-bit quants in groups of 16, on the portable and the other builds."""
+    matrix = QuantizedMatrix.of(narrow_groups(), "Q6_K")
+    x = torch.randn(rows, matrix.in_features, generator=torch.Generator().manual_seed(rows))
+    fast = matmul(x, [matrix])
+    # the portable build has no batch loops: from BATCH_ROWS rows its activations are rounded otherwise
+    for lib in (other_library, portable_library) if rows < BATCH_ROWS else (other_library,):
+        torch.testing.assert_close(matmul(x, [matrix], lib=lib), fast, rtol=1e-4, atol=1e-5 * float(fast.abs().max()))
 
 
 @pytest.mark.parametrize("rows", [3, 20, 260])  # 260: the batch loops in three passes over the parts

@@ -80,6 +80,13 @@ static inline __m256i top_bits(__m256i packed, int t) {
         default: return _mm256_and_si256(_mm256_srli_epi16(packed, 2), mask);
     }
 }
+
+/* The top bit of quad T's 5-bit quants, from where the layout keeps it (bit T of each byte of the
+   plane) to bit 4 (as top_bits, the mask drops what a 16-bit shift moves across bytes). */
+static inline __m256i fifth_bit(__m256i plane, int T) {
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    return _mm256_and_si256(T <= 4 ? _mm256_slli_epi16(plane, 4 - T) : _mm256_srli_epi16(plane, T - 4), bit4);
+}
 #endif
 
 void qlinear_in_region(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,

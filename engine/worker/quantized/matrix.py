@@ -3,10 +3,11 @@
 `QuantizedMatrix.of(groups)` lays a tensor's groups (engine/worker/loading/gguf_formats.unpack) out as
 the C loops in qmatmul.c read them (the layout is described there): quants in blocks of 8 output
 features, Q2_K's 2-bit quants four to a byte, Q3_K's in 3 bits (as q + 4), 4-bit formats (Q4_0,
-Q4_1, Q4_K) two to a byte, 5- and 6-bit ones (Q5_0, Q5_1, Q5_K, Q6_K) in 6 bits, Q8_0 one to an
-int8, and the formats' own scale factors beside them. The IQ4 formats' quants, indices of 16
-non-linear int8 levels, are kept as 4-bit indices with the levels beside them (the loops look
-them up with a byte shuffle, as llama.cpp's do). Memory per weight, against the file's:
+Q4_1, Q4_K) two to a byte, 5-bit ones (Q5_0 as q + 16, Q5_1, Q5_K) in 5 bits and Q6_K's in 6 (as
+q + 32), each as 4-bit halves plus a plane of top bits, Q8_0 one to an int8, and the formats' own
+scale factors beside them. The IQ4 formats' quants, indices of 16 non-linear int8 levels, are
+kept as 4-bit indices with the levels beside them (the loops look them up with a byte shuffle, as
+llama.cpp's do). Memory per weight, against the file's:
 
 | type   | kept as             | bits in memory | in the file |
 |--------|---------------------|----------------|-------------|
@@ -17,9 +18,9 @@ them up with a byte shuffle, as llama.cpp's do). Memory per weight, against the 
 | Q4_K   | 4-bit               | 4.6            | 4.5         |
 | IQ4_NL | 4-bit indices       | 4.5            | 4.5         |
 | IQ4_XS | 4-bit indices       | 4.3            | 4.25        |
-| Q5_0   | 6-bit               | 6.5            | 5.5         |
-| Q5_1   | 6-bit               | 7.0            | 6.0         |
-| Q5_K   | 6-bit               | 6.6            | 5.5         |
+| Q5_0   | 5-bit               | 5.5            | 5.5         |
+| Q5_1   | 5-bit               | 6.0            | 6.0         |
+| Q5_K   | 5-bit               | 5.6            | 5.5         |
 | Q6_K   | 6-bit               | 6.6            | 6.6         |
 | Q8_0   | 8-bit               | 8.5            | 8.5         |
 
@@ -90,8 +91,8 @@ class QuantizedMatrix:
     mn: torch.Tensor | None
     group_size: int
     groups_per_super: int
-    bits: int                      # 2, 3, 4, 6 or 8: how the quants are packed
-    shift: int = 0                 # 3- and 6-bit quants are kept as q + shift (0..7, 0..63)
+    bits: int                      # 2, 3, 4, 5, 6 or 8: how the quants are packed
+    shift: int = 0                 # 3-, 5- and 6-bit quants are kept as q + shift (0..7, 0..31, 0..63)
     type_name: str = ""
     span: int = 0                  # int32_span's chunks
     table: torch.Tensor | None = None  # int8 (16,): 4-bit quants are indices of these levels
@@ -118,7 +119,9 @@ class QuantizedMatrix:
             bits, shift = 3, 4
         elif levels is not None or (not signed and high < 16):
             bits, shift = 4, 0
-        elif -32 <= low and high < (32 if signed else 64):  # Q6_K's -32..31, Q5_K's 0..31 (and fewer bits)
+        elif -16 <= low and high < (16 if signed else 32):  # Q5_0's -16..15, Q5_1's and Q5_K's 0..31
+            bits, shift = 5, 16 if signed else 0
+        elif -32 <= low and high < (32 if signed else 64):  # Q6_K's -32..31
             bits, shift = 6, 32 if signed else 0
         else:
             bits, shift = 8, 0
@@ -137,7 +140,11 @@ class QuantizedMatrix:
             u = (q.to(torch.int16) + shift).to(torch.uint8).view(blocks, LANES, chunks, CHUNK)
             halves = (u & 15).view(blocks, LANES, chunks, 2, 4, 4)  # (.., low/high half, quad, i)
             q = (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
-            if bits == 6:  # the top 2 bits of quad t at bits 2t, 2t + 1, a 32-byte row per half
+            if bits == 5:  # the top bit of quad T (k = 4T + i) at bit T, one 32-byte row
+                top = (u >> 4).view(blocks, LANES, chunks, 8, 4)  # (.., quad, i)
+                plane = sum(top[:, :, :, quad] << quad for quad in range(8)).to(torch.uint8)
+                q = torch.cat((q, plane.permute(0, 2, 1, 3).unsqueeze(2)), dim=2)
+            elif bits == 6:  # the top 2 bits of quad t at bits 2t, 2t + 1, a 32-byte row per half
                 top = (u >> 4).view(blocks, LANES, chunks, 2, 4, 4)  # (.., half, quad, i)
                 packed = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
                 q = torch.cat((q, packed.permute(0, 2, 3, 1, 4)), dim=2)
@@ -168,7 +175,10 @@ class QuantizedMatrix:
         elif self.bits != 8:
             nibbles = q[:, :, :4]
             q = torch.stack((nibbles & 15, nibbles >> 4), dim=2)  # (n, chunks, half, quad, 4)
-            if self.bits == 6:
+            if self.bits == 5:  # the top bit of quad 4 half + t
+                top = torch.stack([(self.quants[block, :, 4, lane] >> quad) & 1 for quad in range(8)], dim=2)
+                q = (q | (top.view(q.shape) << 4)).to(torch.int16) - self.shift
+            elif self.bits == 6:
                 top = torch.stack([(self.quants[block, :, 4:, lane] >> (2 * t)) & 3 for t in range(4)], dim=3)
                 q = (q | (top << 4)).to(torch.int16) - self.shift
             elif self.table is not None:

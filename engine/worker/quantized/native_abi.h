@@ -33,7 +33,7 @@ typedef uint16_t half_bits;
 #endif
 
 /* One quantized matrix of a linear layer (laid out as qmatmul.c describes): its quants' width
-   (2, 3, 4, 6 or 8 bits) and 3- or 6-bit shift, the 16 int8 values its 4-bit quants index
+   (2, 3, 4, 5, 6 or 8 bits) and 3-, 5- or 6-bit shift, the 16 int8 values its 4-bit quants index
    (`table`; NULL: a quant is its own value), where its part of the output starts, `column`, and
    `span`: how many chunks' products qmatmul_batch.c may sum in int32 with the groups' integer
    factors sc multiplied into the weights (0: keep them apart; matrix.py works it out from the

@@ -15,15 +15,18 @@
      8-bit:  [blocks, in/32, 8 quads, LANES, 4]                       k = 32c + 4t + i
      4-bit:  [blocks, in/32, 4 quads, LANES, 4] bytes, low nibble k = 32c + 4t + i,
                                                  high nibble k = 32c + 16 + 4t + i
+     5-bit:  [blocks, in/32, 5 quads, LANES, 4] bytes: quads 0-3 the low 4 bits as 4-bit's, quad 4
+             the top bit of quad T (k = 32c + 4T + i) at bit T (the file's 5 bits a weight)
      6-bit:  [blocks, in/32, 6 quads, LANES, 4] bytes: quads 0-3 the low 4 bits as 4-bit's, quads
              4 and 5 the top 2 bits of k = 32c + 16h + 4t + i (h = 0, 1) in bits 2t, 2t + 1
      2-bit:  [blocks, in/32, 2 rows, LANES, 4] bytes: bits 2s, 2s + 1 of row t's hold
              k = 32c + 8s + 4t + i (s = 0..3), so quad 2s + t is one shift of one load
      3-bit:  [blocks, in/32, 3 rows, LANES, 4] bytes: rows 0 and 1 the low 2 bits as 2-bit's, row 2
              the top bit of quad T (k = 32c + 4T + i) at bit T
-   A 6-bit quant is stored as u = q + shift (0..63: Q6_K's signed -32..31 with shift 32, Q5_K's
-   0..31 with shift 0), a 3-bit one too (Q3_K's -4..3 with shift 4), and the loops subtract
-   shift * (the sum of xq over the group) from u . xq.
+   A 6-bit quant is stored as u = q + shift (0..63: Q6_K's signed -32..31 with shift 32), a 5-bit
+   one too (0..31: Q5_0's -16..15 with shift 16, Q5_1's and Q5_K's 0..31 with shift 0), and a 3-bit
+   one (Q3_K's -4..3 with shift 4), and the loops subtract shift * (the sum of xq over the group)
+   from u . xq.
    A part with a `table` keeps 4-bit indices of its 16 int8 values instead (IQ4's non-linear
    levels): a quant is table[index].
 
@@ -33,7 +36,7 @@
    add up in one int32 (level 1's times FINER) and are scaled into float once; xsum
    = the float sums of each 16 values for the offsets: x . (q*s + o) ~= s * sum over levels of
    dx * (xq . q) + o * xsum (a 32-wide group's xsum the sum of its two); xqsum the integer sums
-   of each level's xq over each 16 values (for the 6-bit shift).
+   of each level's xq over each 16 values (for the 3-, 5- and 6-bit shift).
 
    Rows are taken MT at a time so a block's weights, loaded once, serve several rows from L1.
    A batch of BATCH_ROWS rows or more in two levels goes to qmatmul_batch.c's loops instead. */
@@ -148,6 +151,31 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                             _mm256_maddubs_epi16(hi[1], broadcast4(xq[v][r] + 20 + 4 * t))), v ? ones : first));
                     }
             }
+            remove_shift(a, dot[0], r0, c, MT, GS, LEVELS);
+        } else if (BITS == 5) {
+            /* u = q + shift (0..31): 16-bit sums hold a half's 4 quads, 4 x 2 products x 31 x 127
+               < 2^15, each half apart (a group's shift takes its own sums). Quad t's low nibbles are
+               k 4t + i, its high ones k 16 + 4t + i: their top bits at bits t and 4 + t. */
+            __m256i pairs[2][4][2];
+            for (int v = 0; v < LEVELS; v++)
+                for (int r = 0; r < MT; r++) pairs[v][r][0] = pairs[v][r][1] = _mm256_setzero_si256();
+            const uint8_t *p = a->q + (b * a->chunks + c) * (CHUNK * 5 / 8) * LANES;
+            const __m256i plane = _mm256_loadu_si256((const __m256i *)(p + 128));
+            for (int t = 0; t < 4; t++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(p + t * 32));
+                const __m256i lo = _mm256_or_si256(_mm256_and_si256(w, low4), fifth_bit(plane, t));
+                const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low4), fifth_bit(plane, 4 + t));
+                for (int v = 0; v < LEVELS; v++)
+                    for (int r = 0; r < MT; r++) {
+                        pairs[v][r][0] = _mm256_add_epi16(pairs[v][r][0], _mm256_maddubs_epi16(lo, broadcast4(xq[v][r] + 4 * t)));
+                        pairs[v][r][1] = _mm256_add_epi16(pairs[v][r][1], _mm256_maddubs_epi16(hi, broadcast4(xq[v][r] + 16 + 4 * t)));
+                    }
+            }
+            for (int r = 0; r < MT; r++)
+                for (int h = 0; h < 2; h++) {
+                    dot[0][r][h] = _mm256_madd_epi16(pairs[0][r][h], first);
+                    if (LEVELS == 2) dot[0][r][h] = _mm256_add_epi32(dot[0][r][h], _mm256_madd_epi16(pairs[1][r][h], ones));
+                }
             remove_shift(a, dot[0], r0, c, MT, GS, LEVELS);
         } else if (BITS == 3) {
             /* u = q + shift (0..7): 16-bit sums hold a whole chunk, 8 quads x 2 products x 7 x
@@ -315,11 +343,13 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                                 const int quad = k / 4;  /* 2s + t */
                                 q = (a->q[at + (quad % 2) * 32 + l * 4 + k % 4] >> (2 * (quad / 2))) & 3;
                                 if (BITS == 3) q = (q | ((a->q[at + 64 + l * 4 + k % 4] >> quad) & 1) << 2) - a->shift;
-                            } else if (BITS == 4 || BITS == 6) {
+                            } else if (BITS == 4 || BITS == 5 || BITS == 6) {
                                 const int64_t at = (b * a->chunks + c) * BITS * 32;  /* BITS quads of 32 bytes */
                                 const uint8_t byte = a->q[at + (k % 16 / 4) * 32 + l * 4 + k % 4];
                                 q = k < 16 ? byte & 15 : byte >> 4;
-                                if (BITS == 6) {
+                                if (BITS == 5) {
+                                    q = (q | ((a->q[at + 128 + l * 4 + k % 4] >> (k / 4)) & 1) << 4) - a->shift;
+                                } else if (BITS == 6) {
                                     const uint8_t top = a->q[at + (4 + k / 16) * 32 + l * 4 + k % 4];
                                     q = (q | ((top >> (2 * (k % 16 / 4))) & 3) << 4) - a->shift;
                                 } else if (TABLE) {
@@ -364,6 +394,8 @@ static inline void format_block(const Args *a, const Part *p, int64_t b, int64_t
         else if (p->bits == 3) block(a, b, rows, 32, 3, LEVELS, 0); \
         else if (p->bits == 4 && p->gs == 16) block(a, b, rows, 16, 4, LEVELS, 0); \
         else if (p->bits == 4) block(a, b, rows, 32, 4, LEVELS, 0); \
+        else if (p->bits == 5 && p->gs == 16) block(a, b, rows, 16, 5, LEVELS, 0); \
+        else if (p->bits == 5) block(a, b, rows, 32, 5, LEVELS, 0); \
         else if (p->bits == 6 && p->gs == 16) block(a, b, rows, 16, 6, LEVELS, 0); \
         else if (p->bits == 6) block(a, b, rows, 32, 6, LEVELS, 0); \
         else if (p->gs == 16) block(a, b, rows, 16, 8, LEVELS, 0); \
@@ -377,7 +409,7 @@ static inline void format_block(const Args *a, const Part *p, int64_t b, int64_t
    (within dx / 2) in steps of dx / FINER, so two levels carry x to ~1/64000 of the chunk's
    largest value. xq [levels, rows, in], dx [levels, rows, in/32]; xsum [rows, in/16] the float
    sums by 16 (for the offsets), xqsum [levels, rows, in/16] the integer sums of xq by 16 (for the
-   6-bit shift). Called inside a parallel region: the threads share the chunks. */
+   3-, 5- and 6-bit shift). Called inside a parallel region: the threads share the chunks. */
 static void quantize_chunks(const float *x, int64_t rows, int64_t x_stride, int64_t in, int64_t levels,
                             int8_t *xq, float *dx, float *xsum, int32_t *xqsum) {
     const int64_t chunks = in / CHUNK;

@@ -149,6 +149,10 @@ static inline __attribute__((always_inline)) __m256i quad(const Part *p, int64_t
     const __m256i w = _mm256_loadu_si256((const __m256i *)(at + (t & 3) * 32));
     __m256i u = t < 4 ? _mm256_and_si256(w, low4) : _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
     if (TABLE) u = _mm256_shuffle_epi8(table, u);
+    if (BITS == 5) {  /* the top bit of quad t */
+        u = _mm256_or_si256(u, fifth_bit(_mm256_loadu_si256((const __m256i *)(at + 128)), t));
+        u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)p->shift));
+    }
     if (BITS == 6) {  /* the top 2 bits of quad t & 3 of half t / 4 */
         u = _mm256_or_si256(u, top_bits(_mm256_loadu_si256((const __m256i *)(at + (4 + t / 4) * 32)), t & 3));
         u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)p->shift));
@@ -267,7 +271,7 @@ static inline __attribute__((always_inline)) void unpack_pairs_bits(const Batch 
                     _mm512_castsi256_si512(quad(a->p, a->chunks, b + i, c, t, BITS, 0, _mm256_setzero_si256())), pick,
                     _mm512_castsi256_si512(quad(a->p, a->chunks, b + i + 1, c, t, BITS, 0, _mm256_setzero_si256())));
                 int16_t *out = w + ((c - c0) * PAIRS + 2 * t) * nb * 16 + i * 16;
-                /* 3-, 6- and 8-bit quants: signed (2-bit ones 0..3) */
+                /* 3-, 5-, 6- and 8-bit quants: signed (2-bit ones 0..3) */
                 __m512i k01 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(both));
                 __m512i k23 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(both, 1));
                 if (FOLD) k01 = _mm512_mullo_epi16(k01, factors[t / 4]), k23 = _mm512_mullo_epi16(k23, factors[t / 4]);
@@ -283,6 +287,7 @@ static inline __attribute__((always_inline)) void unpack_pairs(const Batch *a, i
     else if (a->p->bits == 2) unpack_pairs_bits(a, b, nb, c0, n, w, 2, FOLD, 0);
     else if (a->p->bits == 3) unpack_pairs_bits(a, b, nb, c0, n, w, 3, FOLD, 0);
     else if (a->p->bits == 4) unpack_pairs_bits(a, b, nb, c0, n, w, 4, FOLD, 0);
+    else if (a->p->bits == 5) unpack_pairs_bits(a, b, nb, c0, n, w, 5, FOLD, 0);
     else if (a->p->bits == 6) unpack_pairs_bits(a, b, nb, c0, n, w, 6, FOLD, 0);
     else unpack_pairs_bits(a, b, nb, c0, n, w, 8, FOLD, 0);
 }
@@ -302,6 +307,7 @@ static void unpack(const Batch *a, int64_t b, int nb, int64_t c0, int64_t n, int
     else if (a->p->bits == 2) unpack_bits(a, b, nb, c0, n, w, 2, 0);
     else if (a->p->bits == 3) unpack_bits(a, b, nb, c0, n, w, 3, 0);
     else if (a->p->bits == 4) unpack_bits(a, b, nb, c0, n, w, 4, 0);
+    else if (a->p->bits == 5) unpack_bits(a, b, nb, c0, n, w, 5, 0);
     else if (a->p->bits == 6) unpack_bits(a, b, nb, c0, n, w, 6, 0);
     else unpack_bits(a, b, nb, c0, n, w, 8, 0);
 }
