@@ -16,13 +16,23 @@ from engine.worker.loading.checkpoint import Checkpoint
 
 class RotaryTable:
     """cos and signed sin by position, `[length, 2, head_dim]` in the model's dtype, computed in
-    fp32 as transformers does and grown on demand."""
+    fp32 as transformers does and grown on demand. Built when first needed: for the length `ensure`
+    asks for (an engine's runner asks for its max_model_len before any step), else on first reading
+    for the model's max_position_embeddings. (Qwen2.5-0.5B's 32,768 positions of 64-wide heads take
+    16 MiB in fp32; an engine of 4,096 positions needs 2.)"""
 
     def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
         self.inv_freq = checkpoint.inv_freq.to(device)
         self.scaling = checkpoint.attention_scaling
         self.dtype, self.device = dtype, device
-        self.table = self._make(getattr(checkpoint.config, "max_position_embeddings", 4096))
+        self._default_length = getattr(checkpoint.config, "max_position_embeddings", 4096)
+        self._table: torch.Tensor | None = None
+
+    @property
+    def table(self) -> torch.Tensor:
+        if self._table is None:
+            self._table = self._make(self._default_length)
+        return self._table
 
     def _make(self, length: int) -> torch.Tensor:
         positions = torch.arange(length, device=self.device, dtype=torch.float32)
@@ -38,8 +48,8 @@ class RotaryTable:
 
     def ensure(self, length: int) -> None:
         """Make the table cover positions 0..length-1 (never shrinks it)."""
-        if length > self.length:
-            self.table = self._make(length)
+        if self._table is None or length > self.length:
+            self._table = self._make(length)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
