@@ -46,10 +46,11 @@ def keep_freed_memory() -> bool:
 
 def release_freed_memory() -> bool:
     """Give the kernel back what is free in glibc's heap now (malloc_trim: the free top, and the
-    whole free pages inside). After loading the weights, and again when weights are let go (the
-    plain copies, once the compiled steps are in): with the thresholds above, the load's
-    transients (a GGUF tensor's unpacked quants, a dequantized copy) and the copies let go would
-    otherwise stay resident for the engine's life. False where the C library is not glibc."""
+    whole free pages inside). After loading (the weights, a tokenizer), and again when weights are
+    let go (the plain copies, once the compiled steps are in): with the thresholds above, the
+    load's transients (a GGUF tensor's unpacked quants, a dequantized copy, a tokenizer file's
+    parse) and the copies let go would otherwise stay resident for the engine's life. False where
+    the C library is not glibc."""
     try:
         malloc_trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
