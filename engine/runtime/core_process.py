@@ -25,6 +25,7 @@ import sys
 from multiprocessing.connection import Connection
 
 from engine.outputs import TokenOutput
+from engine.worker import cpu_binding
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 1.0  # an idle core looks this often for a compiled step that became ready
@@ -32,13 +33,18 @@ IDLE_POLL_S = 1.0  # an idle core looks this often for a compiled step that beca
 
 def run(connection: Connection) -> None:
     _, options = connection.recv()
-    threads = options.pop("num_threads", None)
+    try:  # before torch loads the OpenMP runtime, which reads the binding once
+        _, threads, binding = cpu_binding.bind_compute_threads(options.get("device"), options.pop("num_threads", None))
+    except ValueError as error:
+        connection.send(("failed", str(error)))
+        return
     import torch
 
     from engine.runtime.engine_core import EngineCore
 
     if threads:
         torch.set_num_threads(threads)
+    log.info("%s", binding)
 
     try:
         core = EngineCore(**options)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from engine.worker import cpu_binding
 from engine.worker.compiled.package_key import staging_path
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ def build_in_subprocess(model: str | None, dtype: torch.dtype, kind: str, path: 
         if model:
             command += ["--model", model]
         try:
-            process = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(root)}, cwd=root,
+            process = subprocess.Popen(command, env={**cpu_binding.unbound_environ(), "PYTHONPATH": str(root)}, cwd=root,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                        start_new_session=True)
         except BaseException:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from engine.worker import cpu_binding
 from engine.worker.cache_folders import packages_folder
 from engine.worker.compiled.builds import build_in_subprocess, sweep_leftovers
 from engine.worker.compiled.package_key import package_path, retired_packages
@@ -142,6 +143,7 @@ class CompiledSteps:
     def _prepare(self) -> None:
         with contextlib.suppress(OSError):  # this thread only: the serving thread keeps its priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        cpu_binding.release_this_thread()  # not a compute thread, nor are the builds it starts
         folder = packages_folder()
         try:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
