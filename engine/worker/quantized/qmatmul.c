@@ -107,6 +107,23 @@ static inline __attribute__((always_inline)) void remove_shift(const Args *a, __
 /* Lane block b's outputs for rows r0 .. r0+MT-1; MT, GS, BITS, LEVELS, TABLE (4-bit indices of
    a->table) are constants at each call. Level 1 is the rounded row, level 2 (when LEVELS is 2)
    what rounding left out. */
+/* The loops that sum products in 16 bits (`pairs`, per level, row and group half: HALVES of them
+   in a chunk) widen them to 32 once per chunk, the finer level's scaled by `first`. */
+static inline __attribute__((always_inline)) void clear_pairs(__m256i pairs[2][4][2], const int MT, const int LEVELS) {
+    for (int v = 0; v < LEVELS; v++)
+        for (int r = 0; r < MT; r++) pairs[v][r][0] = pairs[v][r][1] = _mm256_setzero_si256();
+}
+
+static inline __attribute__((always_inline)) void widen_pairs(__m256i pairs[2][4][2], __m256i dot[4][2], const int MT,
+                                                               const int HALVES, const int LEVELS, const __m256i first,
+                                                               const __m256i ones) {
+    for (int r = 0; r < MT; r++)
+        for (int h = 0; h < HALVES; h++) {
+            dot[r][h] = _mm256_madd_epi16(pairs[0][r][h], first);
+            if (LEVELS == 2) dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(pairs[1][r][h], ones));
+        }
+}
+
 static inline __attribute__((always_inline)) void block_rows(const Args *a, int64_t b, int64_t r0, const int MT,
                                                              const int GS, const int BITS, const int LEVELS,
                                                              const int TABLE) {
@@ -157,8 +174,7 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                < 2^15, each half apart (a group's shift takes its own sums). Quad t's low nibbles are
                k 4t + i, its high ones k 16 + 4t + i: their top bits at bits t and 4 + t. */
             __m256i pairs[2][4][2];
-            for (int v = 0; v < LEVELS; v++)
-                for (int r = 0; r < MT; r++) pairs[v][r][0] = pairs[v][r][1] = _mm256_setzero_si256();
+            clear_pairs(pairs, MT, LEVELS);
             const uint8_t *p = a->q + (b * a->chunks + c) * (CHUNK * 5 / 8) * LANES;
             const __m256i plane = _mm256_loadu_si256((const __m256i *)(p + 128));
             for (int t = 0; t < 4; t++) {
@@ -171,19 +187,14 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                         pairs[v][r][1] = _mm256_add_epi16(pairs[v][r][1], _mm256_maddubs_epi16(hi, broadcast4(xq[v][r] + 16 + 4 * t)));
                     }
             }
-            for (int r = 0; r < MT; r++)
-                for (int h = 0; h < 2; h++) {
-                    dot[0][r][h] = _mm256_madd_epi16(pairs[0][r][h], first);
-                    if (LEVELS == 2) dot[0][r][h] = _mm256_add_epi32(dot[0][r][h], _mm256_madd_epi16(pairs[1][r][h], ones));
-                }
+            widen_pairs(pairs, dot[0], MT, 2, LEVELS, first, ones);
             remove_shift(a, dot[0], r0, c, MT, GS, LEVELS);
         } else if (BITS == 3) {
             /* u = q + shift (0..7): 16-bit sums hold a whole chunk, 8 quads x 2 products x 7 x
                127 < 2^15, each half's apart (quads 0-3 are k 0-15) for the shift's sums. */
             const __m256i low2 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
             __m256i pairs[2][4][2];
-            for (int v = 0; v < LEVELS; v++)
-                for (int r = 0; r < MT; r++) pairs[v][r][0] = pairs[v][r][1] = _mm256_setzero_si256();
+            clear_pairs(pairs, MT, LEVELS);
             const uint8_t *p = a->q + (b * a->chunks + c) * (CHUNK * 3 / 8) * LANES;
             const __m256i plane = _mm256_loadu_si256((const __m256i *)(p + 64));
             for (int t = 0; t < 2; t++) {
@@ -198,11 +209,7 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                                                                   _mm256_maddubs_epi16(u, broadcast4(xq[v][r] + 8 * s + 4 * t)));
                 }
             }
-            for (int r = 0; r < MT; r++)
-                for (int h = 0; h < 2; h++) {
-                    dot[0][r][h] = _mm256_madd_epi16(pairs[0][r][h], first);
-                    if (LEVELS == 2) dot[0][r][h] = _mm256_add_epi32(dot[0][r][h], _mm256_madd_epi16(pairs[1][r][h], ones));
-                }
+            widen_pairs(pairs, dot[0], MT, 2, LEVELS, first, ones);
             remove_shift(a, dot[0], r0, c, MT, GS, LEVELS);
         } else if (BITS == 4 && TABLE) {
             /* The indices' values by a byte shuffle of the table (in both 128-bit lanes), then
@@ -236,8 +243,7 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                (s = 0, 1) are k 0-15, quads 4-7 k 16-31: a 16-wide group's sums kept apart. */
             const __m256i low2 = _mm256_set1_epi8(3);
             __m256i pairs[2][4][2];
-            for (int v = 0; v < LEVELS; v++)
-                for (int r = 0; r < MT; r++) pairs[v][r][0] = pairs[v][r][1] = _mm256_setzero_si256();
+            clear_pairs(pairs, MT, LEVELS);
             const uint8_t *p = a->q + (b * a->chunks + c) * (CHUNK / 4) * LANES;
             for (int t = 0; t < 2; t++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(p + t * 32));
@@ -251,17 +257,12 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                         }
                 }
             }
-            for (int r = 0; r < MT; r++)
-                for (int h = 0; h < CHUNK / GS; h++) {
-                    dot[0][r][h] = _mm256_madd_epi16(pairs[0][r][h], first);
-                    if (LEVELS == 2) dot[0][r][h] = _mm256_add_epi32(dot[0][r][h], _mm256_madd_epi16(pairs[1][r][h], ones));
-                }
+            widen_pairs(pairs, dot[0], MT, CHUNK / GS, LEVELS, first, ones);
         } else if (BITS == 4) {
             /* 16-bit sums hold a whole chunk: 4 quads x 2 nibbles x 2 products x 15 x 127 < 2^15.
                The low nibbles are k 0-15, the high k 16-31: a 16-wide group's sums kept apart. */
             __m256i pairs[2][4][2];
-            for (int v = 0; v < LEVELS; v++)
-                for (int r = 0; r < MT; r++) pairs[v][r][0] = pairs[v][r][1] = _mm256_setzero_si256();
+            clear_pairs(pairs, MT, LEVELS);
             const uint8_t *p = a->q + (b * a->chunks + c) * (CHUNK / 2) * LANES;
             for (int t = 0; t < 4; t++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(p + t * 32));
@@ -279,11 +280,7 @@ static inline __attribute__((always_inline)) void block_rows(const Args *a, int6
                         }
                     }
             }
-            for (int r = 0; r < MT; r++)
-                for (int h = 0; h < CHUNK / GS; h++) {
-                    dot[0][r][h] = _mm256_madd_epi16(pairs[0][r][h], first);
-                    if (LEVELS == 2) dot[0][r][h] = _mm256_add_epi32(dot[0][r][h], _mm256_madd_epi16(pairs[1][r][h], ones));
-                }
+            widen_pairs(pairs, dot[0], MT, CHUNK / GS, LEVELS, first, ones);
         } else {
             const int8_t *p = (const int8_t *)a->q + (b * a->chunks + c) * CHUNK * LANES;
             for (int t = 0; t < 8; t++) {
