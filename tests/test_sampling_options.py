@@ -24,6 +24,16 @@ def test_min_tokens_holds_back_stop_tokens_until_reached(llm):
     assert held.finish_reason == "length" and len(held.token_ids) == 6 and first not in held.token_ids
 
 
+def test_min_tokens_holds_back_eos_even_when_eos_is_ignored(llm, monkeypatch):
+    first = greedy(llm).token_ids[0]
+    monkeypatch.setattr(llm.engine.core, "eos_token_id", first)  # the reply's first token is now eos
+    assert greedy(llm).finish_reason == "stop"
+    read_on = greedy(llm, ignore_eos=True, max_tokens=6)
+    assert read_on.token_ids[0] == first and len(read_on.token_ids) == 6  # eos sampled, then read past
+    held = greedy(llm, ignore_eos=True, min_tokens=6, max_tokens=6)  # as vLLM: never through an eos
+    assert first not in held.token_ids and len(held.token_ids) == 6 and held.finish_reason == "length"
+
+
 def test_min_tokens_holds_back_stop_strings_too(llm):
     text = greedy(llm, max_tokens=24, ignore_eos=True).text
     stop = text[1:4]  # found at once, in the output's first token or so

@@ -63,6 +63,9 @@ class Request:
     forked: bool = False
     num_preemptions: int = 0
     stop_ids: frozenset[int] = field(init=False)  # stop tokens, eos included unless ignored
+    # Never sampled before min_tokens: the stop tokens and eos even when ignored, as vLLM does, so
+    # a reply forced to a length reads on past where it would have ended, never through an eos.
+    held_back_ids: frozenset[int] = field(init=False)
     max_total_tokens: int = -1  # prompt + max_tokens, capped by the scheduler at max_model_len
     arrival: int = field(init=False)  # priority: lower arrives earlier and is preempted last
     arrival_time: float = field(init=False)
@@ -77,8 +80,9 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)
         params = self.sampling_params
-        eos = () if params.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
-        self.stop_ids = frozenset((*params.stop_token_ids, *eos))
+        eos = () if self.eos_token_id is None else (self.eos_token_id,)
+        self.held_back_ids = frozenset((*params.stop_token_ids, *eos))
+        self.stop_ids = frozenset(params.stop_token_ids) if params.ignore_eos else self.held_back_ids
         self.max_total_tokens = self.num_prompt_tokens + params.max_tokens
         self.arrival = next(_arrivals)
         self.arrival_time = time.monotonic()

@@ -215,7 +215,7 @@ class ModelRunner:
         for item in items:
             request = item.request
             params = request.sampling_params
-            banned = request.stop_ids if request.num_output_tokens < params.min_tokens else frozenset()
+            banned = request.held_back_ids if request.num_output_tokens < params.min_tokens else frozenset()
             rows.append(SamplingRow(params, request.all_token_ids, self._generator(request), item.num_samples,
                                     request.num_prompt_tokens, banned))
         tokens = sample(logits, rows, known_argmax)
