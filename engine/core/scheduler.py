@@ -10,13 +10,18 @@ Each step spends a token budget (`max_num_batched_tokens`) in this order:
 2. Swapped requests, earliest arrival first, swapped back in, but only in a step that
    preempted nothing (so memory is not swapped out and in again at once) and only while the
    device keeps a watermark of free blocks for the running requests to grow into.
-3. Waiting requests, first come first served, after their longest cached prefix is taken from
-   the prefix cache; only when nothing is swapped out (swapped requests resume first), nothing
-   was preempted, and under the same watermark. A prompt larger than the budget left starts
-   with a chunk. A request whose next block is still being computed for another request waits
-   for it (one step, usually) rather than computing it again. With a step-time target, a
-   request joins the running set only while all of them would still decode within 1.5 times
-   the target (`_room_to_decode`).
+3. Waiting requests, after their longest cached prefix is taken from the prefix cache; only
+   when nothing is swapped out (swapped requests resume first), nothing was preempted, and
+   under the same watermark. Requests that were preempted come first, then the new ones first
+   come first served, until the oldest new one has waited longer than a chat's first-token goal
+   (`QUEUE_PATIENCE_S`): then the newest first (adaptive LIFO, as in Facebook's "Fail at
+   Scale"). Past its capacity, a server that keeps serving in arrival order makes every
+   request late; newest first, the ones it can serve are served in time and the backlog waits
+   until the load falls below what the server computes, then is served too. A prompt larger
+   than the budget left starts with a chunk. A request whose next block is still being
+   computed for another request waits for it (one step, usually) rather than computing it
+   again. With a step-time target, a request joins the running set only while all of them
+   would still decode within the target (`_room_to_decode`).
 
 With a step-time target (`max_step_ms`), prompt tokens get only the time the step's decodes
 leave under it, as the step-cost model (engine/core/step_cost.py, fitted online to this engine's
@@ -25,12 +30,14 @@ chat keeps its pace, instead of one step that stalls them all (Sarathi-Serve's s
 batching). So that prompts always progress, a step may compute `min_prompt_chunk` prompt tokens,
 and prompts get at least a quarter of the decodes' time, even when the decodes alone take the
 whole target (a saturated server). That share grows by one decode time for each second the
-oldest request without a first token has waited, up to a step of 1.5 times the target: under a
+oldest request without a first token has waited, up to a step of 1.25 times the target: under a
 load the target cannot hold, steps lengthen (the streaming chats slow) instead of the queue
 backing up behind a few chats decoding in small batches, where both waits and throughput
-collapse; but no further, and no more chats join the running set than can decode within that
-(the streaming chats stay within what their readers follow; the next wait in the queue). A step with no decodes has no one
-to stall: its prompts get the token budget alone (a lone chat's first token comes sooner).
+collapse; but no further, and no more chats join the running set than decode within the target,
+so that with the prompts' least share the step stays within that longest step (the streaming
+chats keep a pace their readers follow however many wait; the next ones wait in the queue).
+A step with no decodes has no one to stall: its prompts get the token budget alone (a lone
+chat's first token comes sooner).
 
 Preemption is by swap (the victim's blocks are copied to the host pool; it resumes from
 there) or by recompute (its blocks are freed, it goes back to the front of the waiting queue,
@@ -62,8 +69,9 @@ from engine.core.step_cost import StepCostModel, StepShape, keys_read
 
 
 PROMPT_SHARE = 0.25  # of a step's decode time, the least that prompts get in it
-QUEUE_PATIENCE_S = 1.0  # each second the queue's head waits adds one decode time for prompts (a chat's TTFT goal)
-LONGEST_STEP = 1.5  # times the target: the most that the queue's wait stretches a step, and a running set's decodes
+QUEUE_PATIENCE_S = 1.0  # a chat's first-token goal: each second the queue's oldest waits adds one decode time
+                        # for prompts, and past it the queue serves the newest first
+LONGEST_STEP = 1.25  # times the target: the most that the queue's wait stretches a step
 
 
 class PromptTooLongError(ValueError):
@@ -115,6 +123,7 @@ class Scheduler:
         self._prompt_time: float | None = None  # this step's seconds left for prompt tokens (None: no target)
         self._prompt_tokens = 0                 # prompt tokens scheduled in this step so far
         self._unlimited = True                  # no target, or no decode in this step to keep to it
+        self._newest_first = False              # the waiting queue is in adaptive LIFO's newest-first order
 
     # ---- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -160,6 +169,7 @@ class Scheduler:
         self._finished_ids = []
         budget = cfg.max_num_batched_tokens
         running = self.running
+        self._order_waiting()
         self._start_prompt_budget()
 
         # 1. Running requests.
@@ -287,7 +297,7 @@ class Scheduler:
         if self.config.max_step_ms is None:
             return
         decodes = keys = 0
-        oldest = self.waiting[0].arrival_time if self.waiting else None
+        oldest = min((r.arrival_time for r in self.waiting), default=None)
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens == 1:
                 decodes += 1
@@ -309,11 +319,25 @@ class Scheduler:
                         max((LONGEST_STEP * target - decode_time) / decode_time, PROMPT_SHARE))
             self._prompt_time = max(target - decode_time, share * decode_time)
 
+    def _order_waiting(self) -> None:
+        """Preempted requests first (in the order they were put back), then the new ones: oldest
+        first while the oldest has waited at most QUEUE_PATIENCE_S, newest first past that (see
+        the module's docstring). Sorted only when the order changes or must be kept."""
+        waiting = self.waiting
+        fresh = [r for r in waiting if not r.num_preemptions]
+        oldest = min((r.arrival_time for r in fresh), default=None)
+        newest_first = oldest is not None and self.clock() - oldest > QUEUE_PATIENCE_S
+        if len(fresh) > 1 and (newest_first or self._newest_first):
+            fresh.sort(key=lambda r: r.arrival, reverse=newest_first)
+            self.waiting = deque([r for r in waiting if r.num_preemptions] + fresh)
+        self._newest_first = newest_first
+
     def _room_to_decode(self, request: Request) -> bool:
         """Whether `request` may join the running set under the step-time target: once it and
-        every running request decode, their step must be predicted within LONGEST_STEP times the
-        target. Past that, every chat already streaming would slow beyond what its reader follows
-        to let one more start: it waits in the queue instead (and the ones streaming stay good).
+        every running request decode, their step must be predicted within the target (so that
+        prompts' least share keeps the step within LONGEST_STEP targets). Past that, every chat
+        already streaming would slow beyond what its reader follows to let one more start: it
+        waits in the queue instead (and the ones streaming stay good).
         No limit without a target, before the cost model is ready, with nothing running, or
         where one sequence's decode alone takes half the target (a model too large for it: then
         batching is all that helps)."""
@@ -324,7 +348,7 @@ class Scheduler:
         if 2 * predict(StepShape(1, 0, request.num_tokens)) > target:
             return True
         keys = request.num_tokens + sum(r.num_tokens for r in self.running)
-        return predict(StepShape(len(self.running) + 1, 0, keys)) <= LONGEST_STEP * target
+        return predict(StepShape(len(self.running) + 1, 0, keys)) * (1 + PROMPT_SHARE) <= LONGEST_STEP * target
 
     def _chunk(self, request: Request, remaining: int, budget: int, start: int | None = None) -> int:
         """How many of a request's `remaining` tokens to compute this step, from position `start`
