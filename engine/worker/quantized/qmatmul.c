@@ -104,9 +104,6 @@ static inline __attribute__((always_inline)) void remove_shift(const Args *a, __
 }
 
 
-/* Lane block b's outputs for rows r0 .. r0+MT-1; MT, GS, BITS, LEVELS, TABLE (4-bit indices of
-   a->table) are constants at each call. Level 1 is the rounded row, level 2 (when LEVELS is 2)
-   what rounding left out. */
 /* The loops that sum products in 16 bits (`pairs`, per level, row and group half: HALVES of them
    in a chunk) widen them to 32 once per chunk, the finer level's scaled by `first`. */
 static inline __attribute__((always_inline)) void clear_pairs(__m256i pairs[2][4][2], const int MT, const int LEVELS) {
@@ -124,6 +121,9 @@ static inline __attribute__((always_inline)) void widen_pairs(__m256i pairs[2][4
         }
 }
 
+/* Lane block b's outputs for rows r0 .. r0+MT-1; MT, GS, BITS, LEVELS, TABLE (4-bit indices of
+   a->table) are constants at each call. Level 1 is the rounded row, level 2 (when LEVELS is 2)
+   what rounding left out. */
 static inline __attribute__((always_inline)) void block_rows(const Args *a, int64_t b, int64_t r0, const int MT,
                                                              const int GS, const int BITS, const int LEVELS,
                                                              const int TABLE) {
