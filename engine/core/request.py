@@ -62,11 +62,13 @@ class Request:
     stop_token_id: int | None = None
     forked: bool = False
     num_preemptions: int = 0
-    stop_ids: frozenset[int] = field(init=False)  # stop tokens, eos included unless ignored
+    stop_ids: frozenset[int] = field(init=False)  # stop tokens, eos included unless ignored (or constrained)
     # Never sampled before min_tokens: the stop tokens and eos even when ignored, as vLLM does, so
     # a reply forced to a length reads on past where it would have ended, never through an eos.
     held_back_ids: frozenset[int] = field(init=False)
     max_total_tokens: int = -1  # prompt + max_tokens, capped by the scheduler at max_model_len
+    # A constrained request (structured_outputs) waits, unscheduled, until its grammar is compiled.
+    waiting_for_grammar: bool = False
     arrival: int = field(init=False)  # priority: lower arrives earlier and is preempted last
     arrival_time: float = field(init=False)
     first_token_time: float | None = None
@@ -82,7 +84,9 @@ class Request:
         params = self.sampling_params
         eos = () if self.eos_token_id is None else (self.eos_token_id,)
         self.held_back_ids = frozenset((*params.stop_token_ids, *eos))
-        self.stop_ids = frozenset(params.stop_token_ids) if params.ignore_eos else self.held_back_ids
+        # A grammar allows eos only where the reply may end, and a reply it has ended ends there.
+        ignore_eos = params.ignore_eos and params.structured_outputs is None
+        self.stop_ids = frozenset(params.stop_token_ids) if ignore_eos else self.held_back_ids
         self.max_total_tokens = self.num_prompt_tokens + params.max_tokens
         self.arrival = next(_arrivals)
         self.arrival_time = time.monotonic()

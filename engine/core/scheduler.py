@@ -208,8 +208,12 @@ class Scheduler:
         # 3. Waiting requests.
         if not preempted and not self.swapped:
             in_flight = self._blocks_in_flight() if self.waiting and cfg.enable_prefix_caching else set()
+            compiling: list[Request] = []  # waiting for their grammars: passed over, kept in place
             while self.waiting and budget > 0 and len(running) < cfg.max_num_seqs:
                 request = self.waiting[0]
+                if request.waiting_for_grammar:
+                    compiling.append(self.waiting.popleft())
+                    continue
                 if not self._room_to_decode(request):
                     break
                 cached = kv.find_cached_prefix(request)
@@ -238,6 +242,7 @@ class Scheduler:
                 self._schedule(out, request, num_new, new_ids)
                 budget -= num_new
                 in_flight.update(hashes[len(cached):])
+            self.waiting.extendleft(reversed(compiling))
 
         kv.release_pinned()
         self.num_steps += 1

@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import PromptTooLongError, check_prompt_length
 from engine.outputs import EngineInfo
 
@@ -84,20 +85,34 @@ class CallerSideInputs:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-tokenizer")
         self._thread.submit(lambda: None)  # its thread starts now: a steady thread count from the first request
 
-    def prepare(self, prompt: str | list[int] | list[dict], options: dict, info: EngineInfo) -> ProcessedPrompt:
-        """The prompt's token ids; raises for one that cannot fit (a long text before tokenizing)."""
+    def prepare(self, prompt: str | list[int] | list[dict], params: SamplingParams, options: dict,
+                info: EngineInfo) -> ProcessedPrompt:
+        """The prompt's token ids; raises for one that cannot fit (a long text before tokenizing)
+        and for a constraint that does not compile."""
         self._inputs.check_fits(prompt, info.max_model_len)
+        check_structured_outputs(params)
         with self._lock:
             processed = self._inputs.process(prompt, options["cache_salt"], options["num_shared_messages"])
         check_prompt_length(len(processed.token_ids), info.max_model_len, info.num_device_blocks * info.block_size)
         return processed
 
-    async def aprepare(self, prompt: str | list[int] | list[dict], options: dict, info: EngineInfo) -> ProcessedPrompt:
+    async def aprepare(self, prompt: str | list[int] | list[dict], params: SamplingParams, options: dict,
+                       info: EngineInfo) -> ProcessedPrompt:
         """`prepare` on the kept thread; a caller cancelled meanwhile has taken nothing."""
-        return await asyncio.get_running_loop().run_in_executor(self._thread, self.prepare, prompt, options, info)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.prepare, prompt, params, options,
+                                                                info)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def check_structured_outputs(params: SamplingParams) -> None:
+    """Refuse (InvalidStructuredOutputsError, naming the fault) a constraint that does not compile,
+    before anything is queued. The grammar library, and torch with it, loads in this process with
+    the first constrained request: a frontend that never sees one never pays for it."""
+    if params.structured_outputs is not None:
+        from engine.worker.structured.grammar import grammar_of
+        grammar_of(params.structured_outputs)
 
 
 def longest_token_chars(tokenizer) -> int:

@@ -19,7 +19,7 @@ from engine.core.block_hash import DEFAULT_HASH_ALGO
 from engine.core.block_map import BlockMap, BlockMapState
 from engine.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_STEP_MS, EngineConfig, SchedulerConfig
 from engine.core.request import FinishReason, Request, is_sample_of, sample_id
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import InvalidStructuredOutputsError, SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
 from engine.outputs import EngineInfo, TokenOutput
@@ -35,6 +35,8 @@ from engine.worker.model_runner import ModelRunner
 from engine.worker.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.005  # an idle engine's wait for a compiling grammar, between looks at its inbox
 
 
 class EngineCore:
@@ -142,7 +144,23 @@ class EngineCore:
         request = Request(request_id, token_ids, params, eos_token_id=self.eos_token_id, cache_salt=cache_salt,
                           num_shared_prefix_tokens=num_shared_prefix_tokens if cache_salt is not None else 0)
         self.scheduler.add_request(request)
+        if params.structured_outputs is not None:
+            request.waiting_for_grammar = True
+            self._grammars().add(request_id, params.structured_outputs)
         return request
+
+    def _grammars(self):
+        """The constrained requests' grammars (GrammarMatchers), made with the first one: the
+        grammar library (~0.75 s to import) loads then, not with every engine."""
+        if self.runner.grammars is None:
+            from engine.worker.structured.grammar_compiler import GrammarCompiler
+            from engine.worker.structured.grammar_matchers import GrammarMatchers
+
+            vocab_size = self.model.shape.vocab_size
+            stops = [self.eos_token_id] if self.eos_token_id is not None else []
+            compiler = GrammarCompiler(lambda: self.tokenizer, vocab_size, stops)
+            self.runner.grammars = GrammarMatchers(compiler, vocab_size)
+        return self.runner.grammars
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request and all its samples, in any state; its blocks return at once."""
@@ -162,14 +180,17 @@ class EngineCore:
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
+        refused = self._take_grammars()
         started = time.perf_counter()
         usage = resource.getrusage(resource.RUSAGE_SELF) if self._step_log is not None else None
         out = self.scheduler.schedule()
+        if not out.scheduled and self.runner.grammars is not None and self.runner.grammars.pending:
+            self.runner.grammars.wait(GRAMMAR_WAIT_S)  # nothing else to run: no spinning beside the compiler
         try:
             sampled = self.runner.execute(out)
         except Exception as error:  # a failed forward fails the requests in it, not the engine
             log.exception("model step failed")
-            return self._fail([item.request for item in out.scheduled], error)
+            return refused + self._fail([item.request for item in out.scheduled], error)
         if self.compiled is not None and not self.compiled.started:
             self.compiled.start()  # after a first step, which it must not delay
         finished = self.scheduler.update(out, sampled)
@@ -191,6 +212,24 @@ class EngineCore:
                 if child is not None:
                     outputs.append(self._output(child, logprobs[index] if logprobs else None))
         self._idle_if_done()
+        return refused + outputs
+
+    def _take_grammars(self) -> list[TokenOutput]:
+        """Let the requests whose grammars are compiled be scheduled; fail those whose grammars
+        do not compile (the frontend's check at the edge lets few through)."""
+        grammars = self.runner.grammars
+        if grammars is None or not grammars.pending:
+            return []
+        ready, failed = grammars.poll()
+        for request_id in ready:
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                request.waiting_for_grammar = False
+        outputs = []
+        for request_id, reason in failed.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                outputs += self._fail([request], InvalidStructuredOutputsError(reason))
         return outputs
 
     def _log_step(self, out, started: float, seconds: float, usage: resource.struct_rusage) -> None:

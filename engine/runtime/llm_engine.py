@@ -11,7 +11,7 @@ from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.runtime.engine_core import EngineCore
-from engine.frontend.input_processor import InputProcessor, ProcessedPrompt
+from engine.frontend.input_processor import InputProcessor, ProcessedPrompt, check_structured_outputs
 from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import Delta, EngineInfo
 from engine.worker.host_allocator import release_freed_memory
@@ -80,7 +80,9 @@ class LLMEngine:
         """Queue a request: text, token ids, or chat messages (rendered with the chat template).
         With `cache_salt` (the user), its prefix-cache blocks can be hit only by requests with the
         same salt, except those wholly inside the first `num_shared_messages` messages (a preset
-        system prompt everyone shares). Raises (queueing nothing) on an empty or too long prompt."""
+        system prompt everyone shares). Raises (queueing nothing) on an empty or too long prompt
+        and on a constraint that does not compile."""
+        check_structured_outputs(params)
         return self.add_processed(request_id, self.inputs.process(prompt, cache_salt, num_shared_messages), params,
                                   cache_salt=cache_salt)
 

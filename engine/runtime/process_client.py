@@ -136,12 +136,12 @@ class CoreProcessClient(StreamingClient):
     def _add(self, stream: Stream, prompt, params: SamplingParams, options: dict) -> None:
         if self.closed:
             raise EngineDeadError(self._dead_reason())
-        self._take(stream, self._inputs.prepare(prompt, options, self._info), params, options)
+        self._take(stream, self._inputs.prepare(prompt, params, options, self._info), params, options)
 
     async def _add_async(self, stream: Stream, prompt, params: SamplingParams, options: dict) -> None:
         if self.closed:
             raise EngineDeadError(self._dead_reason())
-        self._take(stream, await self._inputs.aprepare(prompt, options, self._info), params, options)
+        self._take(stream, await self._inputs.aprepare(prompt, params, options, self._info), params, options)
 
     def _take(self, stream: Stream, processed: ProcessedPrompt, params: SamplingParams, options: dict) -> None:
         """Register the request and send it to the core."""

@@ -54,13 +54,13 @@ class EngineClient(StreamingClient):
     def _add(self, stream: Stream, prompt, params: SamplingParams, options: dict) -> None:
         if self.closed:
             raise EngineDeadError(self._dead_reason())
-        processed = self._inputs.prepare(prompt, options, self._info)
+        processed = self._inputs.prepare(prompt, params, options, self._info)
         self._ask(("add", processed, params, options, stream, Future()))
 
     async def _add_async(self, stream: Stream, prompt, params: SamplingParams, options: dict) -> None:
         if self.closed:
             raise EngineDeadError(self._dead_reason())
-        processed = await self._inputs.aprepare(prompt, options, self._info)
+        processed = await self._inputs.aprepare(prompt, params, options, self._info)
         await self._ask_async(("add", processed, params, options, stream, Future()))
 
     def abort(self, request_id: str) -> None:

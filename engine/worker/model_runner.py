@@ -7,9 +7,12 @@ one contiguous region across all layers and a swap moves one region per block.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 import kernels
+from engine.core.request import sample_id
 from engine.core.scheduler_output import SchedulerOutput
 from engine.worker.compiled.shapes import BATCH_BLOCK_SIZE, MAX_BATCH, MAX_CONTEXT
 from engine.worker.compiled.steps import CompiledSteps
@@ -20,6 +23,9 @@ from engine.worker.models.layers import row_attention
 from engine.worker.models.layers.row_attention import row_inputs
 from engine.worker.models.llama import AttentionMetadata, LlamaModel
 from engine.worker.sampler import SamplingRow, make_generator, sample
+
+if TYPE_CHECKING:  # the grammar library loads with the first constrained request, not with every engine
+    from engine.worker.structured.grammar_matchers import GrammarMatchers
 
 
 # The longest prompt chunk the compiled flat step takes (its attention pads chunks to the longest).
@@ -66,6 +72,9 @@ class ModelRunner:
         # (torch's ops, the native row attention) or "native" (a quantized model's layers in native code)
         self.last_path = ""
         self._plain_dropped = False
+        # The constrained requests' grammars (structured output): set by the engine core with its
+        # first constrained request.
+        self.grammars: GrammarMatchers | None = None
 
     def release_plain_copies(self) -> None:
         """Let the matrices' plain copies go (LlamaModel.drop_plain_copies) and give their memory
@@ -89,6 +98,8 @@ class ModelRunner:
             self.release_plain_copies()  # here, between steps, where no eager step reads them
         for request_id in out.finished_ids:
             self._generators.pop(request_id, None)
+            if self.grammars is not None:
+                self.grammars.remove(request_id)
         if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
             self._move_blocks(out)
             self._wrote("moves")
@@ -212,13 +223,28 @@ class ModelRunner:
                 known_argmax: torch.Tensor | None = None) -> dict[str, list[int]]:
         rows = []
         items = [out.scheduled[i] for i in sample_rows]
-        for item in items:
+        grammars = self.grammars
+        constrained = [i for i, item in enumerate(items) if grammars is not None and grammars.constrains(item.request_id)]
+        constrained_rows = set(constrained)
+        for i, item in enumerate(items):
             request = item.request
             params = request.sampling_params
-            banned = request.held_back_ids if request.num_output_tokens < params.min_tokens else frozenset()
+            # A grammar decides where a constrained reply may end: min_tokens holds nothing back there.
+            held = request.num_output_tokens < params.min_tokens and i not in constrained_rows
             rows.append(SamplingRow(params, request.all_token_ids, self._generator(request), item.num_samples,
-                                    request.num_prompt_tokens, banned))
-        tokens = sample(logits, rows, known_argmax)
+                                    request.num_prompt_tokens, request.held_back_ids if held else frozenset()))
+        allowed = logits
+        if constrained:
+            allowed = logits.float().clone()  # the logprobs stay the model's own
+            grammars.mask_(allowed, [items[i].request_id for i in constrained], constrained)
+            known_argmax = None
+        tokens = sample(allowed, rows, known_argmax)
+        for i in constrained:
+            request_id = items[i].request_id
+            for index, token in enumerate(tokens[i][1:], start=1):  # samples forked this step
+                grammars.fork(request_id, sample_id(request_id, index))
+                grammars.accept(sample_id(request_id, index), token)
+            grammars.accept(request_id, tokens[i][0])
         self.logprobs = {}
         for i, (item, toks) in enumerate(zip(items, tokens)):
             k = item.request.sampling_params.logprobs

@@ -1,13 +1,14 @@
 """Sampling: one batch of next-token logits in, sampled token ids out, one row per request.
 
 Each row follows Hugging Face transformers and vLLM: tokens banned this step (stop tokens before
-`min_tokens`) are masked, OpenAI's presence and frequency penalties are subtracted (for the
-tokens of the output so far), the repetition penalty applied (prompt and output), then either
-argmax (temperature 0) or temperature, min-p, top-k, top-p and a draw from the softmax. The arithmetic is
-batched over the rows, in fp32 whatever the logits' dtype; the per-row work is reading a row's
-token ids and drawing its uniform numbers from its own generator. A row's tokens depend on its own
-logits, parameters and generator alone, so a seeded request samples the same tokens whatever else
-is in the batch, in whatever order.
+`min_tokens`) are masked, OpenAI's logit_bias added, its presence and frequency penalties
+subtracted (for the tokens of the output so far), the repetition penalty applied (prompt and
+output), then either argmax (temperature 0) or temperature, min-p, top-k, top-p and a draw from
+the softmax. The arithmetic is batched over the rows, in fp32 whatever the logits' dtype; the
+per-row work is reading a row's token ids and drawing its uniform numbers from its own
+generator. A row's tokens depend on its own logits, parameters and generator alone, so a seeded
+request samples the same tokens whatever else is in the batch, in whatever order. A constrained
+request's logits come here already masked to what its grammar allows (engine/worker/structured/).
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], known_argmax: torch.Te
     if adjusted:
         logits = logits.clone()  # the caller's logits (for logprobs) stay as the model gave them
         _ban_(logits, rows)
+        _apply_logit_bias_(logits, rows)
         _apply_output_penalties_(logits, rows)
     results: list[list[int]] = [[] for _ in rows]
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
@@ -95,7 +97,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _adjusts(row: SamplingRow) -> bool:
-    return bool(row.banned_token_ids) or _penalizes_output(row)
+    return bool(row.banned_token_ids) or bool(row.params.logit_bias) or _penalizes_output(row)
 
 
 def _penalizes_output(row: SamplingRow) -> bool:
@@ -109,6 +111,16 @@ def _ban_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         banned = [t for t in row.banned_token_ids if t < vocab]
         if banned:
             logits[i, banned] = float("-inf")
+
+
+def _apply_logit_bias_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        if row.params.logit_bias:
+            pairs = [(t, b) for t, b in row.params.logit_bias.items() if t < vocab]
+            if pairs:
+                ids, biases = zip(*pairs)
+                logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
 
 
 def _apply_output_penalties_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
