@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.core.sampling_params import StructuredOutputsParams
 from engine.worker import package_trust
 from engine.worker.compiled import builds, export, steps
 from engine.worker.compiled.package_key import package_path
@@ -850,3 +852,22 @@ def test_a_hung_build_is_stopped_with_its_whole_process_group(fake_builds, loads
         assert wait_until(lambda: not group_members(pgrp))
         assert not Path(scratch).exists()
     assert list(fake_builds.folder.iterdir()) == [] and loads == []
+
+
+def test_constrained_replies_through_the_compiled_steps_equal_the_eager_ones(slice_compiled, slice_dir, monkeypatch):
+    """A grammar masks the logits whichever way the step ran: a lone chat through the compiled lone
+    step and three chats through the flat step give the eager engine's greedy constrained tokens."""
+    llm = slice_compiled[0]
+    lone_calls = count_calls(monkeypatch, llm.engine.compiled)
+    flat_calls = count_calls(monkeypatch, llm.engine.compiled, "run_flat")
+    eager = LLM(slice_dir, dtype="float32", num_gpu_blocks=64, compile_decode=False)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                               "people": {"type": "integer", "minimum": 0, "maximum": 99999}},
+              "required": ["city", "people"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema))
+    chats = ["Paris as JSON:", "The biggest city you know:", "A record of a town:"]
+    for prompts in (chats[:1], chats):
+        ours = [o.outputs[0] for o in llm.generate(prompts, params)]
+        assert [o.token_ids for o in ours] == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+        assert all(o.finish_reason == "stop" and set(json.loads(o.text)) == {"city", "people"} for o in ours)
+    assert lone_calls and any(len(seqs) == 3 for seqs in flat_calls)

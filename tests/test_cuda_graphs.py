@@ -1,10 +1,13 @@
 """Decode steps through CudaGraphs: padded to a bucket, run from static buffers (and replayed
 from CUDA graphs on a GPU). On a CPU the same padded path runs eagerly, which is what must give
 exactly the outputs of the ordinary path."""
+import re
+
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.core.sampling_params import StructuredOutputsParams
 from engine.worker.cuda_graphs import BUCKETS, CudaGraphs, buckets_up_to
 
 # Every engine here names its host pool: the default (1 GiB of swap space, 131k of the tiny model's
@@ -108,3 +111,20 @@ def test_captured_graphs_replay_the_eager_outputs(tiny_model_dir, tokenizer):
               cuda_graphs=True)
     assert llm.engine.runner.graphs.captured
     assert_same(outputs(llm, tokenizer), eager)
+
+
+def test_constrained_rows_in_a_padded_decode_batch(tiny_model_dir, tokenizer, monkeypatch):
+    """Constrained and free chats in one padded batch: the constrained ones keep to their grammar and
+    give the ordinary path's tokens; the free ones are untouched by their neighbours' masks."""
+    sentence = StructuredOutputsParams(regex=r"[a-z]{4,12}( [a-z]{2,8}){2,3}\.")
+    params = [SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=sentence if i % 2 else None)
+              for i in range(len(PROMPTS))]
+
+    def run(llm):
+        return [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    plain = run(LLM(tiny_model_dir, num_gpu_blocks=64, num_cpu_blocks=64, cuda_graphs=False))
+    sizes = count_graph_runs(monkeypatch)
+    padded = run(LLM(tiny_model_dir, num_gpu_blocks=64, num_cpu_blocks=64, max_num_seqs=16, cuda_graphs=True))
+    assert sizes
+    assert [o.token_ids for o in padded] == [o.token_ids for o in plain]
+    assert all(re.fullmatch(r"[a-z]{4,12}( [a-z]{2,8}){2,3}\.", o.text) for o in padded[1::2])

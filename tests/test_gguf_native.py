@@ -5,6 +5,7 @@ start on a GGUF path, answer, and say which file and type they run."""
 from __future__ import annotations
 
 import itertools
+import json
 import uuid
 
 import httpx
@@ -17,6 +18,8 @@ from openai import OpenAI
 from served_app import served_chat
 from waiting import DEADLINE_S
 
+from engine import LLM, SamplingParams
+from engine.core.sampling_params import StructuredOutputsParams
 from engine.worker.loading import quantization_choice
 from engine.worker.loading.gguf_file import inspect_gguf, load_model
 from engine.worker.loading.quantization_choice import resolve_quantization
@@ -165,3 +168,26 @@ def test_the_app_starts_on_a_gguf_path_and_shows_the_file_and_type(embedded_gguf
         assert info.label == LABEL
         assert LocalEndpoint(client).probe().model == LABEL  # what the context meter shows
         assert LABEL in header_html(StatsHistory(), info, ()).replace("&#x27;", "'")
+
+
+def test_constrained_replies_on_the_native_path(embedded_gguf):
+    """The native quantized steps give logits like any other path; the grammar masks them."""
+    llm = LLM(embedded_gguf, quantization="native", num_gpu_blocks=64)
+    paths = []
+    execute = llm.engine.runner.execute
+
+    def spy(out):
+        result = execute(out)
+        paths.append(llm.engine.runner.last_path)
+        return result
+    llm.engine.runner.execute = spy
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                               "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
+              "required": ["answer", "confidence"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, temperature=0.7, seed=2,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    replies = llm.chat([[{"role": "user", "content": q}] for q in ("Is water wet?", "Is fire cold?")], params)
+    for reply in replies:
+        assert reply.outputs[0].finish_reason == "stop"
+        assert json.loads(reply.outputs[0].text)["answer"] in ("yes", "no")
+    assert "native" in paths

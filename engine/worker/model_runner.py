@@ -235,7 +235,8 @@ class ModelRunner:
                                     request.num_prompt_tokens, request.held_back_ids if held else frozenset()))
         allowed = logits
         if constrained:
-            allowed = logits.float().clone()  # the logprobs stay the model's own
+            wants_logprobs = any(item.request.sampling_params.logprobs is not None for item in items)
+            allowed = logits.float().clone() if wants_logprobs else logits.float()  # logprobs: the model's own
             grammars.mask_(allowed, [items[i].request_id for i in constrained], constrained)
             known_argmax = None
         tokens = sample(allowed, rows, known_argmax)
