@@ -132,8 +132,8 @@ def test_tokenize_errors_from_its_thread_are_400_naming_the_parameter(in_process
 
 # ---- the body limit -----------------------------------------------------------------------------------
 def chat_body(padding: int) -> bytes:
-    """A small chat request whose ignored `padding` field makes the body `padding` bytes longer."""
-    body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "padding": ""})
+    """A small chat request whose `user` field (an id the server ignores) makes the body `padding` bytes longer."""
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "user": ""})
     return body[:-2].encode() + b"a" * padding + b'"}'
 
 

@@ -9,6 +9,11 @@ prompts by what hits the prefix cache.
 Choice `i` of a text completion with several prompts is prompt `i // n`, sample `i % n`, as in
 OpenAI's API. A client that disconnects cancels the handler's task: the engine client aborts its
 requests at once and their blocks return (non-streaming requests are watched for it too).
+
+A constraint on the reply (engine/api/output_format.py) goes to the engine as
+`SamplingParams.structured_outputs`. A chat with tools is written into its prompt
+(engine/api/tool_prompt.py), and each choice's text is read for calls as it comes
+(engine/api/tool_call_parser.py).
 """
 from __future__ import annotations
 
@@ -25,10 +30,14 @@ from starlette.background import BackgroundTask
 
 from engine.api.access import api_caller
 from engine.api.errors import APIError, bad_request
+from engine.api.output_format import Constraint, constraint_of
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from engine.api.tool_call_parser import CallStart, Content, Event, ReplyParser, parse_reply
+from engine.api.tool_choice import ToolChoice, tool_choice_of
+from engine.api.tool_prompt import chat_prompt, uses_tools
 from engine.frontend.delta_stream import AsyncDeltaStream
 from engine.runtime.streaming_client import StreamingClient
-from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.core.sampling_params import MAX_LOGPROBS, InvalidStructuredOutputsError, SamplingParams
 from engine.outputs import Delta, Usage
 
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -49,7 +58,8 @@ class Choice:
 
 class Completions:
     """The two completion endpoints over one engine client. `tokenizer` is the API's own copy
-    (the engine's stays on its loop thread); it only turns logprob token ids into text."""
+    (the engine's stays on its loop thread): it turns logprob token ids into text, and renders a
+    chat with tools by a chat template that takes them (off the event loop)."""
 
     def __init__(self, client: StreamingClient, tokenizer, model_name: str) -> None:
         self.client = client
@@ -58,49 +68,79 @@ class Completions:
 
     # ---- the endpoints -------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        self._check_model(body)
+        self._check_request(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self._params(body, max_tokens, logprobs, self.client.info().max_model_len)
         try:
             messages = body.chat()
         except ValueError as error:
             raise bad_request(str(error), "messages") from None
-        reply = _Reply("chatcmpl", self.model_name, body.n, chat=True, top=body.top_logprobs or 0, decode=self._token)
-        return await self._answer(reply, [messages], params, body, request)
+        tools = tool_choice_of(body)
+        constraint = constraint_of(body, tools.constraint() if tools is not None else None)
+        params = self._params(body, max_tokens, logprobs, self.client.info().max_model_len, constraint)
+        prompt, shared = await self._chat_prompt(messages, tools, body.num_shared_messages)
+        reply = _Reply("chatcmpl", self.model_name, body.n, chat=True, top=body.top_logprobs or 0, decode=self._token,
+                       parse=tools.parser() if tools is not None else None)
+        return await self._answer(reply, [prompt], params, body, request, shared, constraint)
 
     async def text(self, body: CompletionRequest, request: Request):
-        self._check_model(body)
+        self._check_request(body)
         if body.echo:
             raise bad_request("echo is not supported", "echo")
         prompts = _prompts(body.prompt)
-        params = self._params(body, body.max_tokens, body.logprobs, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        constraint = constraint_of(body)
+        params = self._params(body, body.max_tokens, body.logprobs, COMPLETIONS_DEFAULT_MAX_TOKENS, constraint)
         reply = _Reply("cmpl", self.model_name, body.n, chat=False, top=body.logprobs or 0, decode=self._token)
-        return await self._answer(reply, prompts, params, body, request)
+        return await self._answer(reply, prompts, params, body, request, 0, constraint)
 
     # ---- shared ---------------------------------------------------------------------------------
-    def _check_model(self, body: SamplingFields) -> None:
+    def _check_request(self, body: SamplingFields) -> None:
+        unknown = body.unknown_fields()
+        if unknown:
+            raise bad_request(f"unsupported field(s): {', '.join(unknown)}. This server does not implement them, "
+                              "and does not drop what a request asks for unread.", unknown[0])
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model `{body.model}` does not exist. This server serves `{self.model_name}`.",
                            "not_found_error", "model", "model_not_found")
 
-    @staticmethod
-    def _params(body: SamplingFields, max_tokens: int | None, logprobs: int | None, default: int) -> SamplingParams:
+    def _params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None, default: int,
+                constraint: Constraint | None) -> SamplingParams:
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
         try:
-            return body.sampling_params(max_tokens, logprobs, default)
+            params = body.sampling_params(max_tokens, logprobs, default,
+                                          constraint.params if constraint is not None else None)
         except ValueError as error:
             message = str(error)
             raise bad_request(message, message.split(" ", 1)[0]) from None  # the message starts with the name
+        vocabulary = len(self.tokenizer)
+        beyond = sorted(token for token in params.logit_bias or {} if token >= vocabulary)
+        if beyond:
+            raise bad_request(f"logit_bias keys must be token ids below the vocabulary's size, {vocabulary}; "
+                              f"got {', '.join(map(str, beyond[:5]))}", "logit_bias")
+        return params
+
+    async def _chat_prompt(self, messages: list[dict], tools: ToolChoice | None,
+                           num_shared_messages: int) -> tuple[str | list[dict], int]:
+        """The prompt the engine takes for a chat, and how many of its messages are shared: the
+        messages as they are, or as engine/api/tool_prompt.py writes a chat with tools (on a
+        thread: a chat template's render of a long chat takes a while)."""
+        functions = tools.tools if tools is not None else None
+        shared = min(num_shared_messages, len(messages))
+        if not uses_tools(messages, functions):
+            return messages, shared
+        try:
+            return await asyncio.to_thread(chat_prompt, self.tokenizer, messages, functions, shared)
+        except Exception as error:  # a template's own checks (roles, order) raise what they like
+            raise bad_request(f"the model's chat template cannot render these messages: {error}", "messages") from None
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
     async def _answer(self, reply: _Reply, prompts: list, params: SamplingParams, body: SamplingFields,
-                      request: Request):
+                      request: Request, shared: int, constraint: Constraint | None):
         streams: list[AsyncDeltaStream] = []
 
         def close_all() -> None:  # a stream closed aborts its request if it still runs
@@ -108,11 +148,14 @@ class Completions:
                 stream.close()
 
         try:
-            shared = min(getattr(body, "num_shared_messages", 0), len(prompts[0]) if reply.chat else 0)
             salt = callers_salt(api_caller(request), body.cache_salt)
             for i, prompt in enumerate(prompts):
                 streams.append(await self.client.asubmit(prompt, params, request_id=f"{reply.id}-{i}",
                                                          cache_salt=salt, num_shared_messages=shared))
+        except InvalidStructuredOutputsError as error:  # a schema, regex or grammar that does not compile
+            close_all()
+            field = constraint.error_field if constraint is not None else None
+            raise bad_request(f"{field}: {error}" if field else str(error), field) from None
         except ValueError as error:  # a prompt the engine refuses: empty, or longer than it can hold
             close_all()  # the prompts before it were taken
             raise bad_request(str(error), "messages" if reply.chat else "prompt") from None
@@ -141,15 +184,18 @@ class Completions:
 
 
 class _Reply:
-    """One API request's choices, as OpenAI's JSON: whole, or as streamed chunks."""
+    """One API request's choices, as OpenAI's JSON: whole, or as streamed chunks. With `parse`
+    (a chat with tools), each choice's text is read for tool calls by a parser of its own."""
 
-    def __init__(self, prefix: str, model: str, n: int, chat: bool, top: int, decode: Callable[[int], str]) -> None:
+    def __init__(self, prefix: str, model: str, n: int, chat: bool, top: int, decode: Callable[[int], str],
+                 parse: Callable[[], ReplyParser] | None = None) -> None:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.model = model
         self.n = n
         self.chat = chat
         self.top = top
         self.decode = decode
+        self.parse = parse
         self.created = int(time.time())
         self.choices: dict[int, Choice] = {}
 
@@ -182,9 +228,17 @@ class _Reply:
 
     def _whole(self, choice: Choice) -> dict:
         if self.chat:
-            return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+            message = {"role": "assistant", "content": choice.text}
+            finish_reason = choice.finish_reason
+            if self.parse is not None:
+                parsed = parse_reply(self.parse(), choice.text, stopped=finish_reason == "stop")
+                message["content"] = parsed.content
+                if parsed.tool_calls:
+                    message["tool_calls"] = parsed.tool_calls
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            return {"index": choice.index, "message": message,
                     "logprobs": self._chat_logprobs(choice.logprobs) if choice.logprobs else None,
-                    "finish_reason": choice.finish_reason}
+                    "finish_reason": finish_reason}
         return {"index": choice.index, "text": choice.text,
                 "logprobs": self._text_logprobs(choice.logprobs, 0) if choice.logprobs else None,
                 "finish_reason": choice.finish_reason}
@@ -206,6 +260,7 @@ class _Reply:
     async def events(self, deltas: AsyncIterator[tuple[int, Delta]], include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: a chunk per delta with something in it, then the usage chunk if
         asked for, then `[DONE]`. An engine failure ends the stream with an error event."""
+        parsers: dict[int, ReplyParser] = {}
         try:
             async for index, delta in deltas:
                 first = index not in self.choices
@@ -216,12 +271,17 @@ class _Reply:
                     return
                 if first and self.chat:
                     yield _event(self._chunk(index, {"role": "assistant", "content": ""}, None, None))
-                if delta.text or delta.finish_reason is not None or delta.logprobs:
-                    logprobs = None
-                    if delta.logprobs:
-                        pairs = list(zip(delta.token_ids, delta.logprobs))
-                        offset = len(choice.text) - len(delta.text)
-                        logprobs = self._chat_logprobs(pairs) if self.chat else self._text_logprobs(pairs, offset)
+                logprobs = None
+                if delta.logprobs:
+                    pairs = list(zip(delta.token_ids, delta.logprobs))
+                    offset = len(choice.text) - len(delta.text)
+                    logprobs = self._chat_logprobs(pairs) if self.chat else self._text_logprobs(pairs, offset)
+                if self.parse is not None:
+                    if index not in parsers:
+                        parsers[index] = self.parse()
+                    for chunk in self._parsed_chunks(index, parsers[index], delta, logprobs):
+                        yield _event(chunk)
+                elif delta.text or delta.finish_reason is not None or delta.logprobs:
                     content = {"content": delta.text} if self.chat and delta.text else ({} if self.chat else delta.text)
                     yield _event(self._chunk(index, content, delta.finish_reason, logprobs))
             if include_usage:
@@ -230,6 +290,22 @@ class _Reply:
             yield "data: [DONE]\n\n"
         finally:
             await deltas.aclose()  # a client gone mid-stream: its requests are aborted now
+
+    def _parsed_chunks(self, index: int, parser: ReplyParser, delta: Delta, logprobs: dict | None) -> list[dict]:
+        """A delta of a chat with tools, read by its choice's parser: a chunk per content piece
+        or call delta (a delta's logprobs with the first), and the finish reason in a chunk of
+        its own ("tool_calls" for a reply that stopped after calls)."""
+        events = parser.feed(delta.text) if delta.text else []
+        if delta.finish_reason is not None:
+            events += parser.finish(stopped=delta.finish_reason == "stop")
+        pieces = [_message_delta(event) for event in _joined_content(events)]
+        if logprobs and not pieces:
+            pieces = [{}]
+        chunks = [self._chunk(index, piece, None, logprobs if i == 0 else None) for i, piece in enumerate(pieces)]
+        if delta.finish_reason is not None:
+            finish_reason = "tool_calls" if parser.calls and delta.finish_reason == "stop" else delta.finish_reason
+            chunks.append(self._chunk(index, {}, finish_reason, None))
+        return chunks
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
@@ -271,6 +347,27 @@ def callers_salt(caller: str, cache_salt: str | None) -> str | None:
     """The engine's salt for a request's `cache_salt`, in the API's namespace under its caller;
     None (no salt: the prefix cache shared, as on vLLM) stays None."""
     return None if cache_salt is None else f"api:{caller}:{cache_salt}"
+
+
+def _joined_content(events: list[Event]) -> list[Event]:
+    """Adjacent content pieces as one."""
+    joined: list[Event] = []
+    for event in events:
+        if isinstance(event, Content) and joined and isinstance(joined[-1], Content):
+            joined[-1] = Content(joined[-1].text + event.text)
+        else:
+            joined.append(event)
+    return joined
+
+
+def _message_delta(event: Event) -> dict:
+    """A parser's event as OpenAI's streamed `delta`."""
+    if isinstance(event, Content):
+        return {"content": event.text}
+    if isinstance(event, CallStart):
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
 
 
 def _event(payload: dict) -> str:
