@@ -26,7 +26,7 @@ class StreamOptions(BaseModel):
 
 class JsonSchemaFormat(BaseModel):
     """`response_format.json_schema`: the reply must match `schema`."""
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
