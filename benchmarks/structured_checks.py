@@ -209,7 +209,7 @@ BROKEN_SCHEMAS: list[tuple[dict, str]] = [  # (schema, a word the error message 
 ]
 
 for _schema in (*SCHEMAS.values(), *(t["function"]["parameters"] for t in TOOLS.values())):
-    assert_readable(_schema)  # the validator reads every keyword asked for
+    assert_readable(_schema)  # every schema asked for is one
 
 
 def schema_format(name: str, schema: dict) -> dict:

@@ -9,7 +9,7 @@ import re
 
 import httpx
 import pytest
-from json_schema_check import schema_errors
+from benchmarks.schema_check import schema_errors
 from openai import OpenAI
 from served_app import Served
 

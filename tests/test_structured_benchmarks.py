@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from jsonschema import SchemaError
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -41,19 +42,19 @@ def test_every_benchmark_schema_takes_a_valid_instance():
 
 
 @pytest.mark.parametrize("name, instance, expected", [
-    ("person", {"name": "Ada", "age": "36", "email": "a@b"}, "$.age: expected integer, got string"),
-    ("person", {"name": "Ada", "age": True, "email": "a@b"}, "$.age: expected integer, got boolean"),
-    ("person", {"name": "Ada", "email": "a@b"}, "missing required property 'age'"),
-    ("person", {"name": "Ada", "age": 3, "email": "a@b", "x": 1}, "property 'x' not allowed"),
-    ("product", {"name": "a", "price": True, "in_stock": True}, "$.price: expected number, got boolean"),
-    ("product", {"name": "a", "price": 1, "in_stock": True, "tags": ["a", "b", "c", "d"]}, "4 items, at most 3"),
-    ("weather", {"city": "Oslo", "temperature_c": 1, "condition": "fog"}, "$.condition: \"fog\" is not one of"),
-    ("book", {"title": "t", "author": {"first": "a"}, "year": 1}, "$.author: missing required property 'last'"),
+    ("person", {"name": "Ada", "age": "36", "email": "a@b"}, "$.age: '36' is not of type 'integer'"),
+    ("person", {"name": "Ada", "age": True, "email": "a@b"}, "$.age: True is not of type 'integer'"),
+    ("person", {"name": "Ada", "email": "a@b"}, "$: 'age' is a required property"),
+    ("person", {"name": "Ada", "age": 3, "email": "a@b", "x": 1}, "('x' was unexpected)"),
+    ("product", {"name": "a", "price": True, "in_stock": True}, "$.price: True is not of type 'number'"),
+    ("product", {"name": "a", "price": 1, "in_stock": True, "tags": ["a", "b", "c", "d"]}, "$.tags: ['a', 'b', 'c', 'd'] is too long"),
+    ("weather", {"city": "Oslo", "temperature_c": 1, "condition": "fog"}, "$.condition: 'fog' is not one of"),
+    ("book", {"title": "t", "author": {"first": "a"}, "year": 1}, "$.author: 'last' is a required property"),
     ("book", {"title": "t", "author": {"first": "a", "last": "b"}, "year": 1, "genres": ["poetry", "jazz"]},
-     "$.genres[1]: \"jazz\" is not one of"),
-    ("todo", {"tasks": [{"title": "a", "done": "no"}]}, "$.tasks[0].done: expected boolean, got string"),
-    ("color", {"name": "red", "rgb": [255, 0]}, "2 items, at least 3 required"),
-    ("color", [255, 0, 0], "$: expected object, got array"),
+     "$.genres[1]: 'jazz' is not one of"),
+    ("todo", {"tasks": [{"title": "a", "done": "no"}]}, "$.tasks[0].done: 'no' is not of type 'boolean'"),
+    ("color", {"name": "red", "rgb": [255, 0]}, "$.rgb: [255, 0] is too short"),
+    ("color", [255, 0, 0], "$: [255, 0, 0] is not of type 'object'"),
 ])
 def test_the_validator_names_what_is_wrong(name, instance, expected):
     errors = schema_errors(instance, checks.SCHEMAS[name])
@@ -72,14 +73,13 @@ def test_text_that_is_not_json_fails_with_its_reason():
     assert judge('{"a": 1', None)[0] is False and "not JSON" in judge('{"a": 1', None)[1]
     assert judge("NaN", None)[0] is False  # Python reads it; JSON has no such value
     assert judge("", None) == (False, "empty reply") and judge(None, None) == (False, "empty reply")
-    assert judge("[1]", {"type": "object"}) == (False, "$: expected object, got array")
+    assert judge("[1]", {"type": "object"}) == (False, "$: [1] is not of type 'object'")
 
 
-def test_a_keyword_the_validator_does_not_read_is_refused_not_passed():
-    with pytest.raises(ValueError, match="pattern"):
-        schema_errors("x", {"type": "string", "pattern": "^x$"})
-    with pytest.raises(ValueError, match="minimum"):
-        assert_readable({"type": "array", "items": {"type": "integer", "minimum": 0}})  # unreached by [] instances
+def test_a_schema_that_is_not_one_is_refused():
+    with pytest.raises(SchemaError):
+        assert_readable({"type": "objec"})
+    assert_readable({"type": "array", "items": {"type": "integer", "minimum": 0}})
 
 
 # ---- judging replies ---------------------------------------------------------------------------------
@@ -97,7 +97,7 @@ def test_tool_calls_are_judged_by_name_and_by_their_arguments_schema():
     assert "no tool_calls" in checks.judge_tool_calls({"content": "<tool_call>", "tool_calls": None}, offered)[1]
     assert "not among" in checks.judge_tool_calls({"tool_calls": [call("send_email", "{}")]}, offered)[1]
     # arguments that are JSON but not the parameters' object (a JSON string), and ones that break the schema
-    assert "expected object, got string" in checks.judge_tool_calls({"tool_calls": [call("get_weather", '"Paris"')]},
+    assert "'Paris' is not of type 'object'" in checks.judge_tool_calls({"tool_calls": [call("get_weather", '"Paris"')]},
                                                                     offered)[1]
     assert "not one of" in checks.judge_tool_calls({"tool_calls": [call("get_weather", '{"city": "P", "unit": "K"}')]},
                                                    offered)[1]

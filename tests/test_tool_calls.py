@@ -10,7 +10,7 @@ import json
 
 import httpx
 import pytest
-from json_schema_check import schema_errors
+from benchmarks.schema_check import schema_errors
 from openai import OpenAI
 from served_app import Served
 
