@@ -57,3 +57,15 @@ def test_penalties_change_a_repetitive_greedy_output(llm):
     assert len(set(plain.token_ids)) < len(plain.token_ids), "the tiny model repeats itself greedily"
     varied = greedy(llm, max_tokens=24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)
     assert len(set(varied.token_ids)) > len(set(plain.token_ids))
+
+
+def test_the_stop_token_that_ends_a_reply_is_not_in_its_text(llm):
+    """As in vLLM: a stop token (eos, or one of stop_token_ids) ends the reply without its text,
+    special or not, unless include_stop_str_in_output asks for it."""
+    free = greedy(llm, max_tokens=8, ignore_eos=True)
+    stop = free.token_ids[3]
+    ended = greedy(llm, max_tokens=8, ignore_eos=True, stop_token_ids=[stop], skip_special_tokens=False)
+    assert ended.finish_reason == "stop" and ended.token_ids == free.token_ids[:4]
+    kept = greedy(llm, max_tokens=8, ignore_eos=True, stop_token_ids=[stop], include_stop_str_in_output=True)
+    stop_text = llm.engine.tokenizer.decode([stop])
+    assert kept.text.endswith(stop_text) and ended.text == kept.text[:len(kept.text) - len(stop_text)]

@@ -69,7 +69,12 @@ class OutputProcessor:
             state.num_cached_tokens = out.num_cached_tokens
             detokenizer = sample.detokenizer
             text = []
-            for offset, token in enumerate(out.token_ids, start=sample.num_tokens + 1):  # its output position
+            new_tokens = out.token_ids
+            if out.finish_reason == "stop" and new_tokens and not params.include_stop_str_in_output:
+                # The core ends a reply with "stop" on a stop token (eos, stop_token_ids, a grammar's
+                # end): as in vLLM, its text is not the reply's, special or not.
+                new_tokens = new_tokens[:-1]
+            for offset, token in enumerate(new_tokens, start=sample.num_tokens + 1):  # its output position
                 text.append(detokenizer.add(token, check_stop=offset > params.min_tokens))
                 if detokenizer.stopped:
                     break
