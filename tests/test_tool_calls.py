@@ -108,6 +108,11 @@ def test_call_array_cut_short_or_not_an_array():
     assert parse_reply(CallArrayParser(), cut, stopped=False) == parse_reply(CallArrayParser(), cut, stopped=True)
     assert parse_reply(CallArrayParser(), cut, stopped=False).content == cut
     assert folded(streamed(CallArrayParser(), cut, 5, stopped=False))[1] == [("get_weather", cut[cut.index('{"city'):])]
+    second = CALL_ARRAY.index('{"name": "get_time"')
+    past_first = parse_reply(CallArrayParser(), CALL_ARRAY[:second + 20], stopped=False)  # cut in the second call
+    whole = parse_reply(CallArrayParser(), CALL_ARRAY, stopped=True)
+    assert past_first.content is None and past_first.tool_calls[0]["function"] == whole.tool_calls[0]["function"]
+    assert len(past_first.tool_calls) == 1  # the one it completed
     assert parse_reply(CallArrayParser(), "no calls", stopped=True).content == "no calls"
     assert folded(streamed(CallArrayParser(), "no calls", 2)) == ("no calls", [])
     assert len(parse_reply(CallArrayParser(max_calls=1), CALL_ARRAY, stopped=True).tool_calls) == 1

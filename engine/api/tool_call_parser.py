@@ -9,8 +9,9 @@ takes (engine/api/tool_choice.py says which):
 A parser is fed the reply's text delta by delta and answers with what may be sent now: text
 (`Content`), a call's start (`CallStart`: its id and name) or a piece of its arguments' JSON
 text (`CallArguments`). A whole reply is the same parser fed once (`parse_reply`), so a streamed
-reply and a whole one say the same, except that a reply that ends up not being calls (cut by
-max_tokens, or not the shape its constraint asked for) is, whole, all content.
+reply and a whole one say the same, except that a reply that ends up not being calls (not the
+shape its constraint asked for) is, whole, all content, and one cut by max_tokens is, whole, the
+calls it completed (its finish_reason stays "length"; streamed, the cut call's start went out too).
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class ReplyParser:
     """One reply's reader: `feed` each text delta, then `finish` once."""
     calls = 0      # how many calls it has started
     valid = True   # after `finish`: whether the reply as a whole is what its shape asks for
+    closed = 0     # how many of its calls are complete (their JSON closed)
 
     def feed(self, text: str) -> list[Event]:
         raise NotImplementedError
@@ -69,7 +71,7 @@ class ReplyParser:
 def parse_reply(parser: ReplyParser, text: str, stopped: bool) -> ParsedReply:
     """A whole reply's content and calls; content None when it has no text."""
     events = parser.feed(text) + parser.finish(stopped)
-    if not parser.valid:
+    if not parser.valid and (stopped or not parser.closed):
         return ParsedReply(text or None, [])
     calls: list[dict] = []
     for event in events:
@@ -77,6 +79,8 @@ def parse_reply(parser: ReplyParser, text: str, stopped: bool) -> ParsedReply:
             calls.append({"id": event.id, "type": "function", "function": {"name": event.name, "arguments": ""}})
         elif isinstance(event, CallArguments):
             calls[event.index]["function"]["arguments"] += event.text
+    if not parser.valid:  # cut by max_tokens: the calls it completed, whatever came after them
+        return ParsedReply(None, calls[:parser.closed])
     content = "".join(event.text for event in events if isinstance(event, Content))
     return ParsedReply(content or None, calls)
 
@@ -248,6 +252,7 @@ class CallArrayParser(ReplyParser):
                     self._end_value()
                     if self._item is not None:
                         events += self._send(self._item, final=True)
+                        self.closed += self._item.index >= 0
                     self._item = None
                 self._depth -= 1
             elif self._depth == 2 and c == ":":
