@@ -122,12 +122,17 @@ def test_a_constraint_holds_for_every_sample(openai):
     ({"guided_regex": "(ab"}, "guided_regex", "parenthesis"),
     ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs", "grammar"),
 ], ids=["schema", "ref", "regex", "grammar"])
-def test_a_constraint_that_does_not_compile_is_400_naming_its_field(url, fields, param, why):
-    refused = chat_post(url, **fields)
-    assert refused.status_code == 400, refused.text
-    error = error_of(refused)
-    assert error["param"] == param and why in error["message"], error
-    assert chat_post(url).status_code == 200  # the server serves on
+@pytest.mark.parametrize("core", ["thread", "process"])
+def test_a_constraint_that_does_not_compile_is_400_naming_its_field(url, engine_servers, core, fields, param, why):
+    """Checked before it is queued (an engine on a thread) or by the engine core in its own
+    process (`python -m engine.serve`, whose serving process holds no grammar library)."""
+    base = url if core == "thread" else engine_servers[0].url
+    for stream in (False, True):
+        refused = chat_post(base, stream=stream, **fields)
+        assert refused.status_code == 400, refused.text
+        error = error_of(refused)
+        assert error["param"] == param and why in error["message"], error
+    assert chat_post(base).status_code == 200  # the server serves on
 
 
 @pytest.mark.parametrize("fields, param, words", [

@@ -163,6 +163,16 @@ class Completions:
             close_all()
             raise
         deltas = _merged(streams, params.n)
+        if constraint is not None:
+            # A core in a process of its own checks the constraint itself (the serving process
+            # holds no grammar library): one that does not compile is the request's first output.
+            deltas, first = await _peeked(deltas)
+            refused = _refused_constraint(first)
+            if refused is not None:
+                await deltas.aclose()
+                close_all()
+                field = constraint.error_field
+                raise bad_request(f"{field}: {refused}", field)
         if body.stream:
             # A client gone before the body starts leaves the events generator unstarted, so its
             # cleanup never runs; the background task runs however the response ended.
@@ -383,6 +393,31 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     if all(isinstance(p, int) for p in prompt):
         return [prompt]
     return list(prompt)
+
+
+async def _peeked(deltas: AsyncIterator[tuple[int, Delta]]) -> tuple[AsyncIterator[tuple[int, Delta]], Delta | None]:
+    """The first delta (None if there is none), and the deltas again from it on."""
+    try:
+        first = await deltas.__anext__()
+    except StopAsyncIteration:
+        return deltas, None
+
+    async def again() -> AsyncIterator[tuple[int, Delta]]:
+        try:
+            yield first
+            async for item in deltas:
+                yield item
+        finally:
+            await deltas.aclose()
+    return again(), first[1]
+
+
+def _refused_constraint(delta: Delta | None) -> str | None:
+    """Why the engine refused the request's constraint, if that is how it ended."""
+    prefix = f"{InvalidStructuredOutputsError.__name__}: "
+    if delta is not None and delta.finish_reason == "error" and (delta.error or "").startswith(prefix):
+        return delta.error[len(prefix):]
+    return None
 
 
 async def _merged(streams: list[AsyncDeltaStream], n: int) -> AsyncIterator[tuple[int, Delta]]:

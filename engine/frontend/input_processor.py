@@ -79,7 +79,11 @@ class CallerSideInputs:
     a synchronous caller tokenizes on its own thread, an async one on a thread kept for it. One
     tokenizer copy, used by one thread at a time (a fast tokenizer is not thread-safe)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, check_constraints: bool = True) -> None:
+        """`check_constraints`: refuse a constraint that does not compile here, before it is sent
+        (a caller in a process that holds torch already); otherwise the core's own check fails
+        the request with InvalidStructuredOutputsError as its first output."""
+        self._check_constraints = check_constraints
         self._inputs = InputProcessor(copy.deepcopy(tokenizer))
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-tokenizer")
@@ -90,7 +94,8 @@ class CallerSideInputs:
         """The prompt's token ids; raises for one that cannot fit (a long text before tokenizing)
         and for a constraint that does not compile."""
         self._inputs.check_fits(prompt, info.max_model_len)
-        check_structured_outputs(params)
+        if self._check_constraints:
+            check_structured_outputs(params)
         with self._lock:
             processed = self._inputs.process(prompt, options["cache_salt"], options["num_shared_messages"])
         check_prompt_length(len(processed.token_ids), info.max_model_len, info.num_device_blocks * info.block_size)
@@ -108,8 +113,8 @@ class CallerSideInputs:
 
 def check_structured_outputs(params: SamplingParams) -> None:
     """Refuse (InvalidStructuredOutputsError, naming the fault) a constraint that does not compile,
-    before anything is queued. The grammar library, and torch with it, loads in this process with
-    the first constrained request: a frontend that never sees one never pays for it."""
+    before anything is queued. The grammar library loads in this process with the first
+    constrained request."""
     if params.structured_outputs is not None:
         from engine.worker.structured.grammar import grammar_of
         grammar_of(params.structured_outputs)

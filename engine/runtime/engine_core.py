@@ -10,6 +10,7 @@ import logging
 import os
 import resource
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import cached_property
 
 import torch
@@ -19,7 +20,7 @@ from engine.core.block_hash import DEFAULT_HASH_ALGO
 from engine.core.block_map import BlockMap, BlockMapState
 from engine.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_STEP_MS, EngineConfig, SchedulerConfig
 from engine.core.request import FinishReason, Request, is_sample_of, sample_id
-from engine.core.sampling_params import InvalidStructuredOutputsError, SamplingParams
+from engine.core.sampling_params import InvalidStructuredOutputsError, SamplingParams, StructuredOutputsParams
 from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
 from engine.outputs import EngineInfo, TokenOutput
@@ -119,6 +120,10 @@ class EngineCore:
         log.info("engine: %s", self.config.describe())
         self.eos_token_id = eos_token_id(model)
         self._emitted: dict[str, int] = {}  # request id -> output tokens already handed back
+        # Structured output: the grammar library, loading or loaded (a Future of the runner's
+        # GrammarMatchers), and the constrained requests not yet handed to it.
+        self._grammar_library: Future | None = None
+        self._unsent_grammars: dict[str, StructuredOutputsParams] = {}
         # $PAGEDCHAT_STEP_LOG: a JSON line per step (its shape, how it ran, how long it took), for
         # profiling a server under load (benchmarks/step_log.py reads it).
         log_path = os.environ.get("PAGEDCHAT_STEP_LOG")
@@ -146,21 +151,20 @@ class EngineCore:
         self.scheduler.add_request(request)
         if params.structured_outputs is not None:
             request.waiting_for_grammar = True
-            self._grammars().add(request_id, params.structured_outputs)
+            self._unsent_grammars[request_id] = params.structured_outputs
+            self._start_grammar_library()
         return request
 
-    def _grammars(self):
-        """The constrained requests' grammars (GrammarMatchers), made with the first one: the
-        grammar library (~0.75 s to import) loads then, not with every engine."""
-        if self.runner.grammars is None:
-            from engine.worker.structured.grammar_compiler import GrammarCompiler
-            from engine.worker.structured.grammar_matchers import GrammarMatchers
-
+    def _start_grammar_library(self) -> None:
+        """With the first constrained request: the grammar library (xgrammar, ~0.7 s to import,
+        ~45 MiB) and the constrained requests' matchers are made on a thread of their own, not on
+        the loop, whose steps go on; an engine that never sees one never loads it."""
+        if self._grammar_library is None:
             vocab_size = self.model.shape.vocab_size
             stops = [self.eos_token_id] if self.eos_token_id is not None else []
-            compiler = GrammarCompiler(lambda: self.tokenizer, vocab_size, stops)
-            self.runner.grammars = GrammarMatchers(compiler, vocab_size)
-        return self.runner.grammars
+            loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-library")
+            self._grammar_library = loader.submit(_grammar_matchers, lambda: self.tokenizer, vocab_size, stops)
+            loader.shutdown(wait=False)
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request and all its samples, in any state; its blocks return at once."""
@@ -184,7 +188,9 @@ class EngineCore:
         started = time.perf_counter()
         usage = resource.getrusage(resource.RUSAGE_SELF) if self._step_log is not None else None
         out = self.scheduler.schedule()
-        if not out.scheduled and self.runner.grammars is not None and self.runner.grammars.pending:
+        if not out.scheduled and self._unsent_grammars:  # the library loads: nothing else to run
+            wait([self._grammar_library], timeout=GRAMMAR_WAIT_S)
+        elif not out.scheduled and self.runner.grammars is not None and self.runner.grammars.pending:
             self.runner.grammars.wait(GRAMMAR_WAIT_S)  # nothing else to run: no spinning beside the compiler
         try:
             sampled = self.runner.execute(out)
@@ -217,6 +223,16 @@ class EngineCore:
     def _take_grammars(self) -> list[TokenOutput]:
         """Let the requests whose grammars are compiled be scheduled; fail those whose grammars
         do not compile (the frontend's check at the edge lets few through)."""
+        if self._unsent_grammars and self._grammar_library.done():
+            if self.runner.grammars is None:
+                error = self._grammar_library.exception()
+                if error is not None:  # no library: every constrained request fails, the others go on
+                    return self._fail_constrained(f"the grammar library could not load: {error}")
+                self.runner.grammars = self._grammar_library.result()
+            for request_id, params in self._unsent_grammars.items():
+                if request_id in self.scheduler.requests:
+                    self.runner.grammars.add(request_id, params)
+            self._unsent_grammars.clear()
         grammars = self.runner.grammars
         if grammars is None or not grammars.pending:
             return []
@@ -231,6 +247,11 @@ class EngineCore:
             if request is not None:
                 outputs += self._fail([request], InvalidStructuredOutputsError(reason))
         return outputs
+
+    def _fail_constrained(self, reason: str) -> list[TokenOutput]:
+        requests = [self.scheduler.requests[rid] for rid in self._unsent_grammars if rid in self.scheduler.requests]
+        self._unsent_grammars.clear()
+        return self._fail(requests, RuntimeError(reason)) if requests else []
 
     def _log_step(self, out, started: float, seconds: float, usage: resource.struct_rusage) -> None:
         stats = self.scheduler.last_stats
@@ -314,3 +335,11 @@ class EngineCore:
                           num_device_blocks=scheduling.num_device_blocks, num_host_blocks=scheduling.num_host_blocks,
                           kernels=kernels.backend(cache), max_model_len=scheduling.max_model_len,
                           weights=self.weights_info["label"], config=config)
+
+
+def _grammar_matchers(tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    """The runner's GrammarMatchers, the grammar library imported here, on the thread that makes
+    it (engine/runtime/engine_core.py's `_start_grammar_library`)."""
+    from engine.worker.structured.grammar_compiler import GrammarCompiler
+    from engine.worker.structured.grammar_matchers import GrammarMatchers
+    return GrammarMatchers(GrammarCompiler(tokenizer, vocab_size, stop_token_ids), vocab_size)
