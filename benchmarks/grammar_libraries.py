@@ -7,8 +7,11 @@ with tokens no merge reaches, as a Llama-3-sized vocabulary's mask work):
 - mask: the per-token cost of the next-token bitmask while a matcher walks a valid reply of that
   schema token by token (p50 and p99 over the reply's tokens), and of accepting each token;
 - the GIL: how far a Python thread gets while another thread compiles (100%: compiling never
-  holds the GIL; the engine loop compiles grammars on a thread beside its steps);
+  holds the GIL; the engine loop compiles grammars on a thread beside its steps; noise for a
+  compile of a millisecond or less, such as llguidance's lazy one);
 - install size of the package and what it brings.
+
+xgrammar is the project's; llguidance is measured where it is installed.
 
     .venv/bin/python benchmarks/grammar_libraries.py
 """
@@ -203,7 +206,11 @@ def main() -> None:
         tokenizer = base if size <= len(base) else grown_tokenizer(base, size)
         tokens = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
         for library in (XGrammar, LLGuidance):
-            library.preload()
+            try:
+                library.preload()
+            except ImportError:  # llguidance is not a dependency of the project
+                print(f"{library.name} is not installed: `.venv/bin/pip install -c constraints.txt {library.name}`")
+                continue
             t0 = time.perf_counter()
             lib = library(tokenizer, size)
             setup = time.perf_counter() - t0

@@ -236,3 +236,12 @@ def test_the_speed_benchmark_reports_an_unreachable_server_as_not_run():
     assert "URLError" in figures["targets"]["ours"]["missing"]
     assert [g["met"] for g in figures["goals"].values()] == [None, None, None]
     assert any(line.startswith("ours     not run") for line in lines)
+
+
+def test_the_grammar_library_benchmark_measures_xgrammar():
+    done = subprocess.run([sys.executable, "benchmarks/grammar_libraries.py", "--vocab", "49152"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    row = next(r for r in result["rows"] if r["library"] == "xgrammar")
+    assert row["vocab"] == 49152 and row["compile_ms"] > 0 and row["mask_us_p50"] > 0 and row["reply_tokens"] > 20
