@@ -176,3 +176,16 @@ def test_a_grammar_compiles_while_other_chats_stream(tiny_model_dir, monkeypatch
     finally:
         release.set()
         client.close()
+
+
+def test_compiled_grammars_are_kept_by_their_text_within_a_byte_budget(tokenizer, monkeypatch):
+    compiler = grammar_compiler.GrammarCompiler(lambda: tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    first = compiler.compile(StructuredOutputsParams(json=PERSON))
+    assert compiler.compile(StructuredOutputsParams(json=json.dumps(PERSON))) is first  # the same text, reordered or not
+    size = first.result(timeout=120).memory_size_bytes
+    monkeypatch.setattr(grammar_compiler, "CACHED_BYTES", int(2.5 * size))
+    for n in range(4):
+        compiler.compile(StructuredOutputsParams(json={**PERSON, "maxProperties": 5 + n})).result(timeout=120)
+    kept = list(compiler._compiled.values())
+    assert first not in kept and 1 <= len(kept) <= 3
+    compiler.close()

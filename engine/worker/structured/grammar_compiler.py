@@ -17,6 +17,9 @@ from engine.core.sampling_params import StructuredOutputsParams
 from engine.worker.structured.grammar import grammar_of
 
 CACHED_GRAMMARS = 256
+# Compiled grammars keep a token mask per state: 35 KiB for a two-property schema, 6.4 MiB for 120
+# properties with patterns (at 49,152 tokens); the cache keeps at most this many bytes of them.
+CACHED_BYTES = 128 * 2**20
 
 
 class GrammarCompiler:
@@ -38,11 +41,21 @@ class GrammarCompiler:
         future = self._compiled.get(key)
         if future is None:
             future = self._compiled[key] = self._thread.submit(self._compile, params)
-            while len(self._compiled) > CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
+            self._evict()
         else:
             self._compiled.move_to_end(key)
         return future
+
+    def _evict(self) -> None:
+        """The least recently asked for first, while the cache holds too many or too many bytes
+        (requests that hold a grammar keep it whatever the cache does)."""
+        def size(future: Future) -> int:
+            done = future.done() and future.exception() is None
+            return future.result().memory_size_bytes if done else 0
+        total = sum(size(future) for future in self._compiled.values())
+        while len(self._compiled) > 1 and (len(self._compiled) > CACHED_GRAMMARS or total > CACHED_BYTES):
+            _, oldest = self._compiled.popitem(last=False)
+            total -= size(oldest)
 
     def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         if self._compiler is None:
