@@ -15,6 +15,7 @@ from openai import OpenAI
 from served_app import Served
 
 from engine import EngineClient, LLMEngine
+from engine.api.completions import Completions
 from engine.api.tool_call_parser import (CallArguments, CallArrayParser, CallStart, Content, FunctionArgumentsParser,
                                          HermesParser, parse_reply)
 from engine.api.tool_prompt import TOOLS_SECTION, chat_prompt, hermes_messages, template_takes_tools
@@ -319,3 +320,13 @@ def test_inconsistent_tool_requests_are_400(url, fields, param):
     refused = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == param, refused.json()
+
+
+def test_auto_keeps_special_tool_tags_in_the_text_it_reads(tokenizer):
+    """A tokenizer holding `<tool_call>` as a special token (Hermes-2-Pro's) would lose the tags
+    when decoding skips special tokens: with tools on auto, they are kept, as vLLM's Hermes parser
+    does. SmolLM2's tokenizer has no such token, so its replies decode as asked."""
+    assert not Completions(None, tokenizer, "tiny")._tool_tags_are_special
+    hermes = copy.deepcopy(tokenizer)
+    hermes.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    assert Completions(None, hermes, "tiny")._tool_tags_are_special

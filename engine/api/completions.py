@@ -18,6 +18,7 @@ A constraint on the reply (engine/api/output_format.py) goes to the engine as
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -32,7 +33,7 @@ from engine.api.access import api_caller
 from engine.api.errors import APIError, bad_request
 from engine.api.output_format import Constraint, constraint_of
 from engine.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from engine.api.tool_call_parser import CallStart, Content, Event, ReplyParser, parse_reply
+from engine.api.tool_call_parser import TAG, CallStart, Content, Event, ReplyParser, parse_reply
 from engine.api.tool_choice import ToolChoice, tool_choice_of
 from engine.api.tool_prompt import chat_prompt, uses_tools
 from engine.frontend.delta_stream import AsyncDeltaStream
@@ -80,6 +81,8 @@ class Completions:
         tools = tool_choice_of(body)
         constraint = constraint_of(body, tools.constraint() if tools is not None else None)
         params = self._params(body, max_tokens, logprobs, self.client.info().max_model_len, constraint)
+        if tools is not None and tools.mode == "auto" and self._tool_tags_are_special:
+            params.skip_special_tokens = False  # else the reply's text would lose the tags, and its calls with them
         prompt, shared = await self._chat_prompt(messages, tools, body.num_shared_messages)
         reply = _Reply("chatcmpl", self.model_name, body.n, chat=True, top=body.top_logprobs or 0, decode=self._token,
                        parse=tools.parser() if tools is not None else None)
@@ -94,6 +97,14 @@ class Completions:
         params = self._params(body, body.max_tokens, body.logprobs, COMPLETIONS_DEFAULT_MAX_TOKENS, constraint)
         reply = _Reply("cmpl", self.model_name, body.n, chat=False, top=body.logprobs or 0, decode=self._token)
         return await self._answer(reply, prompts, params, body, request, 0, constraint)
+
+    @functools.cached_property
+    def _tool_tags_are_special(self) -> bool:
+        """Whether the tokenizer holds `<tool_call>` as a special token (Hermes-2-Pro's does;
+        SmolLM2's has no such token, Qwen2.5's an ordinary one), which decoding would skip."""
+        special = set(self.tokenizer.all_special_tokens)
+        special |= {t.content for t in getattr(self.tokenizer, "added_tokens_decoder", {}).values() if t.special}
+        return TAG in special
 
     # ---- shared ---------------------------------------------------------------------------------
     def _check_request(self, body: SamplingFields) -> None:
