@@ -221,8 +221,8 @@ class EngineCore:
         return refused + outputs
 
     def _take_grammars(self) -> list[TokenOutput]:
-        """Let the requests whose grammars are compiled be scheduled; fail those whose grammars
-        do not compile (the frontend's check at the edge lets few through)."""
+        """Let the requests whose grammars are compiled be scheduled; fail those whose constraint
+        does not compile (a core in its own process is where a broken one is found)."""
         if self._unsent_grammars and self._grammar_library.done():
             if self.runner.grammars is None:
                 error = self._grammar_library.exception()
@@ -338,8 +338,8 @@ class EngineCore:
 
 
 def _grammar_matchers(tokenizer, vocab_size: int, stop_token_ids: list[int]):
-    """The runner's GrammarMatchers, the grammar library imported here, on the thread that makes
-    it (engine/runtime/engine_core.py's `_start_grammar_library`)."""
+    """The runner's GrammarMatchers, made on the grammar-library thread: the library is imported
+    here, off the engine loop."""
     from engine.worker.structured.grammar_compiler import GrammarCompiler
     from engine.worker.structured.grammar_matchers import GrammarMatchers
     return GrammarMatchers(GrammarCompiler(tokenizer, vocab_size, stop_token_ids), vocab_size)
