@@ -15,7 +15,7 @@ import time
 import pytest
 
 pytest.importorskip("gradio")
-from web_browser import Browser, browser, png_size, screenshot_target, serve, set_params, sync_api  # noqa: E402,F401  (browser: a fixture)
+from web_browser import Browser, browser, png_size, screenshot_target, send, serve, set_params, sync_api  # noqa: E402,F401  (browser: a fixture)
 from served_app import served_chat  # noqa: E402
 from waiting import DEADLINE_S, poll, wait_for  # noqa: E402
 
@@ -48,11 +48,6 @@ def profiles(browser, served):
 
 
 # ---- what a person does on the page -------------------------------------------------------------
-def send(page, text: str) -> None:
-    page.get_by_placeholder("Message PagedChat…").fill(text)
-    page.get_by_role("button", name="Send", exact=True).click()
-
-
 def bubbles(page, who: str):
     return page.locator(f'[data-testid="{who}"]')  # Gradio's chatbot: "user" and "bot" messages
 

@@ -23,7 +23,7 @@ from fake_openid import FakeOpenID
 from playwright.sync_api import expect
 from served_app import Served, free_port
 from waiting import DEADLINE_S
-from web_browser import Browser, browser, set_params  # noqa: F401  (the module's chromium)
+from web_browser import Browser, browser, send, set_params  # noqa: F401  (the module's chromium)
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -134,8 +134,7 @@ def chat(page, text: str) -> None:
     set_params(page, max_tokens=8)
     page.get_by_role("button", name="New chat").click()
     expect(page.locator('[data-testid="user"]')).to_have_count(0)  # the new chat shown before sending into it
-    page.get_by_placeholder("Message PagedChat…").fill(text)
-    page.get_by_role("button", name="Send", exact=True).click()
+    send(page, text)
     expect(page.locator('[data-testid="bot"]').last).to_contain_text(DONE, timeout=REPLY_TIMEOUT_MS)
     expect(page.get_by_role("radio", name=text)).to_be_visible()  # listed once the turn ends
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from served_app import free_port, serve  # noqa: F401  (the browser tests' server)
-from waiting import DEADLINE_S
+from waiting import DEADLINE_S, poll
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
@@ -116,3 +116,19 @@ def set_params(page, max_tokens: int, temperature: float = 0.0) -> None:
             pass
     set_slider(page, "Max new tokens", max_tokens)
     set_slider(page, "Temperature", temperature)
+
+
+def send(page, text: str) -> None:
+    """Type `text` into the message box and send it, clicking Send again only if the page did
+    not take the click: a click could be lost while the page was still settling (once in a loaded
+    suite run, right after signing in: the box kept the text, Send stayed enabled, no turn began).
+    A click the page takes disables Send at once (or, done already, empties the box): never sent twice."""
+    box = page.get_by_placeholder("Message PagedChat…")
+    button = page.get_by_role("button", name="Send", exact=True)
+    box.fill(text)
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        button.click()
+        if poll(lambda: not button.is_enabled() or box.input_value() == "", timeout=15):
+            return
+        assert time.monotonic() < deadline, f"Send did not take the message in {DEADLINE_S} s"
