@@ -94,16 +94,7 @@ class XGrammar:
     def walk(self, compiled, tokens: list[int]) -> tuple[list[float], list[float]]:
         matcher = self.xgr.GrammarMatcher(compiled)
         bitmask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
-        fills, accepts = [], []
-        for token in tokens:
-            t0 = time.perf_counter()
-            matcher.fill_next_token_bitmask(bitmask, 0)
-            t1 = time.perf_counter()
-            ok = matcher.accept_token(token)
-            fills.append(t1 - t0)
-            accepts.append(time.perf_counter() - t1)
-            assert ok, f"xgrammar refused token {token}"
-        return fills, accepts
+        return timed_walk(tokens, lambda: matcher.fill_next_token_bitmask(bitmask, 0), matcher.accept_token)
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         self.xgr.apply_token_bitmask_inplace(logits, bitmask)
@@ -139,16 +130,7 @@ class LLGuidance:
         import llguidance.torch as llt
         matcher = self.llg.LLMatcher(self.tokenizer, grammar)
         bitmask = llt.allocate_token_bitmask(1, self.vocab_size)
-        fills, accepts = [], []
-        for token in tokens:
-            t0 = time.perf_counter()
-            llt.fill_next_token_bitmask(matcher, bitmask, 0)
-            t1 = time.perf_counter()
-            ok = matcher.consume_token(token)
-            fills.append(t1 - t0)
-            accepts.append(time.perf_counter() - t1)
-            assert ok, f"llguidance refused token {token}: {matcher.get_error()}"
-        return fills, accepts
+        return timed_walk(tokens, lambda: llt.fill_next_token_bitmask(matcher, bitmask, 0), matcher.consume_token)
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         import llguidance.torch as llt
@@ -157,6 +139,20 @@ class LLGuidance:
     def bitmask(self, rows: int) -> torch.Tensor:
         import llguidance.torch as llt
         return llt.allocate_token_bitmask(rows, self.vocab_size)
+
+
+def timed_walk(tokens: list[int], fill, accept) -> tuple[list[float], list[float]]:
+    """Seconds of each token's mask (`fill()`) and of taking it (`accept(token)`, which must take it)."""
+    fills, accepts = [], []
+    for token in tokens:
+        t0 = time.perf_counter()
+        fill()
+        t1 = time.perf_counter()
+        ok = accept(token)
+        fills.append(t1 - t0)
+        accepts.append(time.perf_counter() - t1)
+        assert ok, f"the matcher refused token {token}"
+    return fills, accepts
 
 
 def gil_share(work) -> float:

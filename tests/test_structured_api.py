@@ -10,11 +10,8 @@ import re
 import httpx
 import pytest
 from benchmarks.schema_check import schema_errors
-from openai import OpenAI
-from served_app import Served
+from served_api import engine_client, openai, url  # noqa: F401  (the module's server)
 
-from engine import EngineClient, LLMEngine
-from engine.serve import build_server
 
 QUESTION = [{"role": "user", "content": "Describe the weather."}]
 WEATHER = {"type": "object",
@@ -23,25 +20,6 @@ WEATHER = {"type": "object",
            "required": ["sunny", "sky", "wind"], "additionalProperties": False}
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}
 GREEDY = dict(temperature=0.0, max_tokens=48)
-
-
-@pytest.fixture(scope="module")
-def engine_client(tiny_model_dir):
-    client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=128, num_cpu_blocks=16), max_waiting=16)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def url(engine_client):
-    served = Served(build_server(engine_client, "tiny"))
-    yield served.url.rstrip("/")
-    served.close()
-
-
-@pytest.fixture(scope="module")
-def openai(url):
-    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
 def error_of(response: httpx.Response) -> dict:

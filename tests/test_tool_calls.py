@@ -11,15 +11,12 @@ import json
 import httpx
 import pytest
 from benchmarks.schema_check import schema_errors
-from openai import OpenAI
-from served_app import Served
+from served_api import engine_client, openai, url  # noqa: F401  (the module's server)
 
-from engine import EngineClient, LLMEngine
 from engine.api.completions import Completions
 from engine.api.tool_call_parser import (CallArguments, CallArrayParser, CallStart, Content, FunctionArgumentsParser,
                                          HermesParser, parse_reply)
 from engine.api.tool_prompt import TOOLS_SECTION, chat_prompt, hermes_messages, template_takes_tools
-from engine.serve import build_server
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
                                             "unit": {"enum": ["C", "F"]}},
@@ -187,25 +184,6 @@ def test_a_template_that_takes_tools_renders_them(tokenizer):
 
 
 # ---- through the server ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def engine_client(tiny_model_dir):
-    client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=128, num_cpu_blocks=16), max_waiting=16)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def url(engine_client):
-    served = Served(build_server(engine_client, "tiny"))
-    yield served.url.rstrip("/")
-    served.close()
-
-
-@pytest.fixture(scope="module")
-def openai(url):
-    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
 def assert_valid_calls(calls: list[tuple[str, str]], most: int | None = None) -> None:
     assert calls and (most is None or len(calls) <= most), calls
     for name, arguments in calls:

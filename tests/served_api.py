@@ -1,0 +1,29 @@
+"""The OpenAI-compatible server over the tiny model, in this process, for the API test modules
+that share its shape (module-scoped: import the fixtures into the module)."""
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+from served_app import Served
+
+from engine import EngineClient, LLMEngine
+from engine.serve import build_server
+
+
+@pytest.fixture(scope="module")
+def engine_client(tiny_model_dir):
+    client = EngineClient(LLMEngine(tiny_model_dir, num_gpu_blocks=128, num_cpu_blocks=16), max_waiting=16)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def url(engine_client):
+    served = Served(build_server(engine_client, "tiny"))
+    yield served.url.rstrip("/")
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def openai(url):
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
