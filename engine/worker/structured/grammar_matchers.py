@@ -73,6 +73,8 @@ class GrammarMatchers:
         bitmask = self._bitmask[:logits.shape[0]]
         for request_id, row in zip(request_ids, rows):
             self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
+        if bitmask.device != logits.device:  # the matchers fill it on the host; a GPU's logits mask there
+            bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
 
     def accept(self, request_id: str, token: int) -> None:
