@@ -65,6 +65,24 @@ def plan_attention(q_lens: list[int], k_lens: list[int], num_heads: int, kv_head
                                  num_splits)
 
 
+def fixed_plan_attention(max_tokens: int, max_seqs: int, num_heads: int, kv_heads: int, head_dim: int,
+                         cache: torch.Tensor):
+    """The Triton path's plan for any step of up to `max_tokens` tokens over `max_seqs` sequences,
+    refilled for each step by `fill_plan` (what a CUDA graph of such steps captures); None for the
+    torch path, which plans on the host in every call."""
+    if backend(cache) != "triton":
+        return None
+    from kernels import triton_attention
+    return triton_attention.fixed_plan(max_tokens, max_seqs, num_heads, kv_heads, head_dim, cache.device)
+
+
+def fill_plan(plan, q_lens: list[int]) -> None:
+    """Fill a `fixed_plan_attention` plan (None: nothing to fill) for a step with these query lengths."""
+    if plan is not None:
+        from kernels import triton_attention
+        triton_attention.fill_tiles(plan, q_lens)
+
+
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal=True,
                     out=None, attention_plan=None) -> torch.Tensor:
     if backend(k_cache) == "triton":
@@ -73,6 +91,28 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, s
                                                 softmax_scale, causal, out, attention_plan=attention_plan)
     return reference.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, softmax_scale,
                                      causal, out, attention_plan=attention_plan)
+
+
+def fuses_layer_ops(cache: torch.Tensor) -> bool:
+    """Whether a step over this cache runs the decoder layer's small steps (residual add and
+    RMSNorm, rotary and cache store, SiLU·up) as the fused kernels below: the Triton path's."""
+    return backend(cache) == "triton"
+
+
+def add_rms_norm(x, residual, weight, eps):
+    from kernels import triton_layer_ops
+    return triton_layer_ops.add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_store(qkv, positions, table, k_cache, v_cache, slot_mapping, num_heads, kv_heads, head_dim) -> None:
+    from kernels import triton_layer_ops
+    triton_layer_ops.rotary_store(qkv, positions, table, k_cache, v_cache, slot_mapping, num_heads, kv_heads,
+                                  head_dim)
+
+
+def silu_and_mul(gate_up):
+    from kernels import triton_layer_ops
+    return triton_layer_ops.silu_and_mul(gate_up)
 
 
 def copy_blocks(cache, pairs) -> None:
@@ -84,4 +124,5 @@ def copy_blocks(cache, pairs) -> None:
 
 swap_blocks = reference.swap_blocks
 
-__all__ = ["backend", "copy_blocks", "paged_attention", "plan_attention", "slot_index", "store_kv", "swap_blocks"]
+__all__ = ["add_rms_norm", "backend", "copy_blocks", "fill_plan", "fixed_plan_attention", "fuses_layer_ops",
+           "paged_attention", "plan_attention", "rotary_store", "silu_and_mul", "slot_index", "store_kv", "swap_blocks"]

@@ -185,6 +185,38 @@ def plan(q_lens: list[int], max_k_len: int, num_heads: int, kv_heads: int, head_
                          torch.empty(parts, dtype=torch.float32, device=device))
 
 
+def fixed_plan(max_tokens: int, max_seqs: int, num_heads: int, kv_heads: int, head_dim: int,
+               device: torch.device | str) -> AttentionPlan:
+    """A plan for any batch of up to `max_tokens` query tokens over up to `max_seqs` sequences,
+    prefill tiling, no splits: its tile list is as long as such a batch can need, and `fill_tiles`
+    writes a step's tiles into it in place. A CUDA graph captured with it replays any such step;
+    the tiles past the step's point at sequence `max_seqs`, which the caller keeps empty (no query
+    token, one key), so they load one key and write nothing."""
+    rep = num_heads // kv_heads
+    block_m = max(16, triton.next_power_of_2(rep * PREFILL_TILING.q_tokens))
+    block_q = block_m // rep
+    tiles = max_tokens // block_q + max_seqs  # each sequence's tiles: its tokens / block_q, rounded up
+    columns = torch.zeros(2, tiles, dtype=torch.int32, device=device)
+    columns[0] = max_seqs
+    dummy = torch.empty(1, dtype=torch.float32, device=device)
+    return AttentionPlan(block_m, block_q, PREFILL_TILING, columns[0], columns[1], max_seqs + 1, 1, 0,
+                         dummy.view(1, 1), dummy, dummy)
+
+
+def fill_tiles(plan: AttentionPlan, q_lens: list[int]) -> None:
+    """Write the tiles of a step with these query lengths into `plan` (from `fixed_plan`), the rest
+    pointed at its empty sequence."""
+    pad = plan.num_seqs - 1
+    tiles = [(seq, first) for seq, n in enumerate(q_lens) for first in range(0, n, plan.block_q)]
+    if len(tiles) > plan.num_tiles or len(q_lens) > pad:
+        raise ValueError(f"{len(q_lens)} sequences in {len(tiles)} tiles do not fit a plan of {pad} sequences "
+                         f"and {plan.num_tiles} tiles")
+    columns = torch.tensor([[seq for seq, _ in tiles] + [pad] * (plan.num_tiles - len(tiles)),
+                            [first for _, first in tiles] + [0] * (plan.num_tiles - len(tiles))], dtype=torch.int32)
+    plan.tile_seq.copy_(columns[0])
+    plan.tile_start.copy_(columns[1])
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
                     softmax_scale: float, causal: bool = True, out: torch.Tensor | None = None,

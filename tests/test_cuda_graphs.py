@@ -82,6 +82,51 @@ def test_under_preemption_and_beyond_the_largest_bucket(tiny_model_dir, tokenize
     assert llm.stats().num_preemptions_swap + llm.stats().num_preemptions_recompute > 0
 
 
+def staggered(llm: LLM, prompts: list[list[int]], params: SamplingParams, every: int = 3) -> list[tuple[int, ...]]:
+    """Each prompt's greedy tokens, the prompts arriving one every `every` steps while the earlier
+    ones decode: steps that carry prompt chunks beside decodes."""
+    engine, tokens = llm.engine, {str(i): () for i in range(len(prompts))}
+    waiting, step = list(enumerate(prompts)), 0
+    while waiting or engine.has_unfinished():
+        if waiting and step % every == 0:
+            i, prompt = waiting.pop(0)
+            engine.add_request(str(i), prompt, params)
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.token_ids
+        step += 1
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_flattened_steps_of_chunks_beside_decodes_equal_the_ordinary_path(tiny_model_dir, tokenizer, monkeypatch,
+                                                                          kernels):
+    """Steps that mix prompt chunks (some past a cached shared prefix, some long enough to be
+    split over steps) with decodes, padded to a token bucket: the tokens of the ordinary path."""
+    monkeypatch.setenv("PAGEDCHAT_KERNELS", kernels)
+    system = tokenizer("You are a terse assistant. Answer in one short sentence, plainly.",
+                       add_special_tokens=False).input_ids
+    texts = PROMPTS if kernels == "torch" else PROMPTS[:3]
+    prompts = [system + tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    prompts.append(prompts[0] * 3)  # 3 chunks of at most 24 tokens, beside the others' decodes
+    params = SamplingParams(temperature=0, max_tokens=12 if kernels == "torch" else 5, ignore_eos=True)
+    options = dict(num_gpu_blocks=64, num_cpu_blocks=64, block_size=16, max_num_batched_tokens=24)
+    plain = staggered(LLM(tiny_model_dir, cuda_graphs=False, **options), prompts, params)
+    steps: list[tuple[int, int]] = []
+    run_flat = CudaGraphs.run_flat
+
+    def record(self, ids, positions, slots, cu_q, *rest):
+        steps.append((len(ids), sum(b - a == 1 for a, b in zip(cu_q, cu_q[1:]))))
+        return run_flat(self, ids, positions, slots, cu_q, *rest)
+    monkeypatch.setattr(CudaGraphs, "run_flat", record)
+    llm = LLM(tiny_model_dir, cuda_graphs=True, max_num_seqs=8, **options)
+    assert llm.engine.runner.graphs.token_buckets == [24]
+    flat = staggered(llm, prompts, params)
+    assert flat == plain
+    assert any(decodes and tokens > decodes for tokens, decodes in steps), f"no chunk beside decodes: {steps}"
+    assert any(tokens < 24 for tokens, _ in steps), f"no step needed padding: {steps}"
+    assert sum(out.num_cached_tokens for out in llm.generate(prompts[1:2], params)) >= 16  # the shared prefix
+
+
 def test_padding_rows_write_nothing_and_limits_are_checked(tiny_model_dir):
     llm = LLM(tiny_model_dir, num_gpu_blocks=16, num_cpu_blocks=64, cuda_graphs=True)
     graphs = llm.engine.runner.graphs
@@ -101,6 +146,15 @@ def test_padding_rows_write_nothing_and_limits_are_checked(tiny_model_dir):
         graphs.run([1] * 257, [0] * 257, [-1] * 257, [1] * 257, [[0]] * 257)
     with pytest.raises(ValueError, match="longer than"):
         graphs.run([1], [0], [0], [1], [[0] * (graphs.block_table.shape[1] + 1)])
+    # A 3-token chunk (positions 0-2, block 3) beside one decode (position 9, block 2), flattened
+    # and padded to a bucket of 64 tokens: its slots alone are written.
+    before = cache.clone()
+    logits = graphs.run_flat([7, 8, 9, 14], [0, 1, 2, 9], [48, 49, 50, 41], [0, 3, 4], [3, 10], [[3], [2]], [0, 1])
+    assert logits.shape == (2, llm.engine.model.shape.vocab_size) and torch.isfinite(logits).all()
+    written = (cache != before).any(-1).any(3).any(2).any(1)
+    assert written.nonzero().tolist() == [[2, 9], [3, 0], [3, 1], [3, 2]]
+    with pytest.raises(ValueError, match="does not fit"):
+        graphs.run_flat([1] * 2049, list(range(2049)), [-1] * 2049, [0, 2049], [2049], [[0]], [0])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: needs a GPU")
@@ -111,6 +165,18 @@ def test_captured_graphs_replay_the_eager_outputs(tiny_model_dir, tokenizer):
               cuda_graphs=True)
     assert llm.engine.runner.graphs.captured
     assert_same(outputs(llm, tokenizer), eager)
+    # Prompt chunks beside decodes, replayed from the flattened steps' graphs
+    system = tokenizer("You are a terse assistant.", add_special_tokens=False).input_ids
+    prompts = [system + tokenizer(t, add_special_tokens=False).input_ids for t in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    options = dict(device="cuda", num_gpu_blocks=64, num_cpu_blocks=64, max_num_batched_tokens=24)
+    eager = staggered(LLM(tiny_model_dir, cuda_graphs=False, **options), prompts, params)
+    llm = LLM(tiny_model_dir, cuda_graphs=True, max_num_seqs=8, **options)
+    paths = []
+    step = llm.engine.core.step
+    llm.engine.core.step = lambda: (step(), paths.append(llm.engine.runner.last_path))[0]
+    assert staggered(llm, prompts, params) == eager
+    assert "graphs-flat" in paths and "graphs" in paths and "eager" not in paths
 
 
 def test_constrained_rows_in_a_padded_decode_batch(tiny_model_dir, tokenizer, monkeypatch):

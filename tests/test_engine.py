@@ -232,7 +232,9 @@ def test_a_step_on_another_path_drops_the_kept_k_v(tiny_model_dir, tokenizer):
     assert runner.graphs is not None
     ids = prompts_of(tokenizer, TEXTS[2:3])
     llm.engine.add_request("lone", ids[0], SamplingParams(max_tokens=8, **GREEDY))
+    graphs, runner.graphs = runner.graphs, None
     llm.engine.step()  # the prompt, eagerly: its plan is kept
+    runner.graphs = graphs
     assert runner.last_path == "eager" and runner._last_plan is not None
     llm.engine.step()  # one decode: the decode-graph path writes the cache
     assert runner.last_path == "graphs"

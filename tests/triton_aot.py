@@ -21,11 +21,20 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import triton_attention, triton_cache  # noqa: E402
+from kernels import triton_attention, triton_cache, triton_layer_ops  # noqa: E402
 
 POINTER = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 # (heads, K/V heads, head size) of what we serve: SmolLM2-135M, Llama-3.2-1B-like, the kernel benchmark.
 MODELS = {"smollm2": (9, 3, 64), "llama-1b": (32, 8, 64), "bench": (32, 8, 128)}
+# Their hidden and MLP widths, for the layer ops
+WIDTHS = {"smollm2": (576, 1536), "llama-1b": (2048, 8192), "bench": (4096, 14336)}
+
+
+class Launch:
+    """A launch's warps and stages where no Tiling names them."""
+
+    def __init__(self, num_warps: int, num_stages: int = 3) -> None:
+        self.num_warps, self.num_stages = num_warps, num_stages
 
 
 def compile_kernel(kernel, signature: dict, constants: dict, arch: int, tiling=None) -> dict:
@@ -86,6 +95,33 @@ def main(archs: list[int]) -> None:
                     dict(NUM_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=16,
                          HEADS_P2=triton.next_power_of_2(kv_heads), DIM_P2=triton.next_power_of_2(head_dim)), arch)
                 print(json.dumps({"arch": arch, "kernel": "store_kv", "case": f"{model} {dtype}"} | store), flush=True)
+            for model, (heads, kv_heads, head_dim) in MODELS.items():
+                ptr, (hidden, width) = POINTER[dtype], WIDTHS[model]
+                for has_residual in (False, True):
+                    block = triton.next_power_of_2(hidden)
+                    norm = compile_kernel(
+                        triton_layer_ops._add_rms_norm_kernel,
+                        {"x_ptr": ptr, "residual_ptr": ptr, "weight_ptr": ptr, "out_ptr": ptr, "stride_x": "i32",
+                         "stride_r": "i32", "stride_o": "i32", "n_cols": "i32", "eps": "fp32"},
+                        dict(HAS_RESIDUAL=has_residual, BLOCK=block), arch, Launch(max(1, min(8, block // 256))))
+                    print(json.dumps({"arch": arch, "kernel": "add_rms_norm",
+                                      "case": f"{model} {dtype} residual={has_residual}"} | norm), flush=True)
+                rotary = compile_kernel(
+                    triton_layer_ops._rotary_store_kernel,
+                    {"qkv_ptr": ptr, "positions_ptr": "*i64", "table_ptr": ptr, "k_cache_ptr": ptr,
+                     "v_cache_ptr": ptr, "slot_ptr": "*i64", "stride_t": "i32", "stride_p": "i32", "stride_cs": "i32",
+                     "stride_cb": "i64", "stride_ct": "i32", "stride_ch": "i32"},
+                    dict(NUM_HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+                         HALF_P2=triton.next_power_of_2(head_dim // 2), DIM_P2=triton.next_power_of_2(head_dim),
+                         BLOCK_SIZE=16), arch, Launch(1))
+                print(json.dumps({"arch": arch, "kernel": "rotary_store", "case": f"{model} {dtype}"} | rotary),
+                      flush=True)
+                gate = compile_kernel(
+                    triton_layer_ops._silu_and_mul_kernel,
+                    {"gate_up_ptr": ptr, "out_ptr": ptr, "stride_g": "i32", "stride_o": "i32", "width": "i32"},
+                    dict(BLOCK=min(1024, triton.next_power_of_2(width))), arch, Launch(4))
+                print(json.dumps({"arch": arch, "kernel": "silu_and_mul", "case": f"{model} {dtype}"} | gate),
+                      flush=True)
             copy = compile_kernel(triton_cache._copy_blocks_kernel,
                                   {"cache_ptr": POINTER[dtype], "pairs_ptr": "*i64", "block_numel": "i64"},
                                   dict(CHUNK=1024), arch)

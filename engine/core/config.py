@@ -92,7 +92,8 @@ class EngineConfig:
     kv_block_bytes: int  # one block of every layer's K and V
     scheduler: SchedulerConfig  # pools, lengths, batch limits, prefix caching, preemption, step target
     # The ways a step may run here, in the order the runner tries them (engine/worker/model_runner.py):
-    # "graphs" (captured CUDA graphs of decodes), "lone" (one chat's compiled decode), "flat"
+    # "graphs" (captured CUDA graphs of decodes), "graphs-flat" (of prompt chunks beside decodes,
+    # flattened), "lone" (one chat's compiled decode), "flat"
     # (decodes and prompt chunks, compiled), "eager-native" (eager, its attention in native code),
     # "native" (a quantized model's layers in native code), "eager".
     step_paths: tuple[str, ...]

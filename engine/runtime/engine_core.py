@@ -110,7 +110,7 @@ class EngineCore:
             self.compiled = compiled_steps.CompiledSteps(model, self.dtype, self.model)
             compiled_state = f"on ({', '.join(self.compiled.kinds)}): loaded, or built once per machine, in the background"
         self.runner = ModelRunner(self.model, device_blocks, host_blocks, block_size, scheduling.max_model_len,
-                                  graph_batch, self.compiled)
+                                  graph_batch, self.compiled, graph_tokens=max_num_batched_tokens if cuda_graphs else 0)
         self.config = EngineConfig(
             model=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             quantization=self.quantization, quantization_reason=why, weights=self.weights_info["description"],

@@ -36,10 +36,12 @@ ROWS_OUTRUN_FLAT = 12  # decodes in a step from which the native row attention b
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_device_blocks: int, num_host_blocks: int, block_size: int,
                  max_model_len: int | None = None, decode_graph_batch: int = 0,
-                 compiled: CompiledSteps | None = None) -> None:
+                 compiled: CompiledSteps | None = None, graph_tokens: int = 0) -> None:
         """`decode_graph_batch` > 0: decode batches up to that size run through CudaGraphs
-        (captured CUDA graphs on a GPU; the same padded path, eagerly, elsewhere). `compiled`: a
-        lone sequence's decode steps, and batches of decodes, run through it once it is ready."""
+        (captured CUDA graphs on a GPU; the same padded path, eagerly, elsewhere), and with
+        `graph_tokens` > 0 so do other steps of up to that many tokens over as many sequences
+        (prompt chunks beside decodes, flattened). `compiled`: a lone sequence's decode steps, and
+        batches of decodes, run through it once it is ready."""
         self.model = model
         self.device = model.device
         self.block_size = block_size
@@ -52,7 +54,8 @@ class ModelRunner:
         model.rotary.ensure(max_model_len)
         self.graphs = None
         if decode_graph_batch > 0:
-            self.graphs = CudaGraphs(model, self.kv_cache, decode_graph_batch, -(-max_model_len // block_size))
+            self.graphs = CudaGraphs(model, self.kv_cache, decode_graph_batch, -(-max_model_len // block_size),
+                                     max_tokens=graph_tokens)
         pin = self.device.type == "cuda"
         self.host_cache = torch.zeros(model.kv_cache_shape(max(num_host_blocks, 0), block_size),
                                       dtype=model.dtype, pin_memory=pin)
@@ -68,7 +71,7 @@ class ModelRunner:
         # Per request sampled this step (when its params ask for logprobs): for each sample, the
         # model's log-probabilities of its top tokens and of the sampled one.
         self.logprobs: dict[str, list[dict[int, float]]] = {}
-        # How the last step ran: "lone" or "flat" (compiled), "graphs" (CUDA), "eager" (torch's ops), "eager-native"
+        # How the last step ran: "lone" or "flat" (compiled), "graphs" or "graphs-flat" (CUDA), "eager" (torch's ops), "eager-native"
         # (torch's ops, the native row attention) or "native" (a quantized model's layers in native code)
         self.last_path = ""
         self._plain_dropped = False
@@ -88,6 +91,7 @@ class ModelRunner:
     def step_paths(self) -> tuple[str, ...]:
         """The ways a step may run here, in the order `execute` tries them (its `last_path` names)."""
         paths = ["graphs"] if self.graphs is not None else []
+        paths += ["graphs-flat"] if self.graphs is not None and self.graphs.max_tokens else []
         paths += list(self.compiled.kinds) if self.compiled is not None else []
         paths += ["native"] if self.model.native_layers is not None else []
         paths += ["eager-native"] if self.model.row_attention is not None else []
@@ -123,8 +127,13 @@ class ModelRunner:
         if self.graphs is not None and len(input_ids) == len(table_rows) <= self.graphs.max_batch:
             # A decode batch (one new token per sequence): replayed from a captured graph.
             logits = self.graphs.run(input_ids, positions, slots, k_lens, table_rows)
-            logits = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
+            if len(sample_rows) < len(table_rows):  # a sequence's last prompt token is not sampled
+                logits = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
             self.last_path = "graphs"
+        elif self.graphs is not None and self.graphs.takes_flat(len(input_ids), len(table_rows)):
+            # Prompt chunks and decodes flattened into one batch, replayed from a captured graph.
+            logits = self.graphs.run_flat(input_ids, positions, slots, cu_q, k_lens, table_rows, sample_rows)
+            self.last_path = "graphs-flat"
         elif (len(input_ids) == 1 and sample_rows and self.compiled is not None and self.compiled.ready
               and k_lens[0] <= MAX_CONTEXT):
             # One sequence decoding alone: what a single user waits for, as one compiled call.

@@ -108,6 +108,9 @@ class LlamaModel:
         # A dense float32 model's attention on a CPU, in native code where it builds (else torch's).
         self.row_attention = None if self.quantized else RowAttention.of(dtype, device, shape.num_kv_heads)
         self._kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        # The layers' small steps as fused kernels where the kernels' backend has them
+        # (kernels.fuses_layer_ops); off, torch's ops run them (benchmarks/gpu_step.py compares).
+        self.fuse_layer_ops = True
 
     def drop_plain_copies(self) -> int:
         """Keep only the packed copy of every matrix held both plain and packed (fp32 on a CPU
@@ -159,12 +162,14 @@ class LlamaModel:
         """input_ids, positions: `[num_tokens]`; returns fp32 logits `[len(logits_indices), vocab]`.
         Positions must be below `rotary.length` (see `RotaryTable.ensure`): checking here would
         read them back from the device on every step."""
-        cos_sin = self.rotary.table[positions]  # [num_tokens, 2, head_dim]
-        cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]
         if isinstance(self.embed, QuantizedMatrix):
             hidden = self.embed.rows(input_ids).to(self.dtype)
         else:
             hidden = F.embedding(input_ids, self.embed)
+        if self.fuse_layer_ops and kernels.fuses_layer_ops(kv_cache):
+            return self._forward_fused(hidden, positions, kv_cache, meta, logits_indices)
+        cos_sin = self.rotary.table[positions]  # [num_tokens, 2, head_dim]
+        cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]
         num_tokens, num_seqs = input_ids.shape[0], meta.seqused_k.shape[0]
         # the longest query's length only where it can decide: a step of decodes, or a GPU step, needs none
         longest = 1 if num_tokens == num_seqs or self.native_layers is None else int(meta.cu_seqlens_q.diff().max())
@@ -198,6 +203,27 @@ class LlamaModel:
             gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, dim=-1)
             hidden = hidden + layer.down(silu_and_mul(gate, up))
         return self.logits(hidden, logits_indices)
+
+    def _forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """`forward` with the layers' small steps as fused kernels (kernels.fuses_layer_ops): the
+        residual stream is added into by each RMSNorm rather than by its own op."""
+        shape = self.shape
+        q_size, dim = shape.q_size, shape.head_dim
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, self._layer_views(kv_cache)):
+            x, residual = kernels.add_rms_norm(hidden, residual, layer.input_norm.weight, layer.input_norm.eps)
+            qkv = layer.qkv(x)
+            kernels.rotary_store(qkv, positions, self.rotary.table, k_cache, v_cache, meta.slot_mapping,
+                                 shape.num_heads, shape.num_kv_heads, dim)
+            attn = kernels.paged_attention(qkv[:, :q_size].view(-1, shape.num_heads, dim), k_cache, v_cache,
+                                           meta.cu_seqlens_q, meta.seqused_k, meta.block_table, shape.scale,
+                                           attention_plan=meta.plan)
+            x, residual = kernels.add_rms_norm(layer.o_proj(attn.reshape(-1, q_size)), residual,
+                                               layer.post_norm.weight, layer.post_norm.eps)
+            hidden = layer.down(kernels.silu_and_mul(layer.gate_up(x)))
+        x, _ = kernels.add_rms_norm(hidden[logits_indices], residual[logits_indices], self.norm.weight, self.norm.eps)
+        return self.lm_head(x).float()
 
     def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """fp32 logits of rows `logits_indices` of the last layer's hidden states."""
