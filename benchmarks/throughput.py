@@ -405,7 +405,7 @@ def run(args: argparse.Namespace, random_folder: str | None) -> None:
 
     setup_t0 = time.perf_counter()
     if random_folder is not None:
-        build_random_llama(args.model, load_tokenizer(args.tokenizer), dtype, random_folder)
+        build_random_llama(args.model, load_tokenizer(args.tokenizer), dtype, random_folder, device.type)
         model_path = random_folder
     else:
         model_path = args.model  # None: the embedded default

@@ -26,6 +26,20 @@ def test_step_profile_script(tiny_model_dir):
     assert len(table) == 3 and all("::" in line.split()[0] and float(line.split()[1]) >= 0 for line in table)
 
 
+def test_gpu_step_script_on_the_cpu(tiny_model_dir):
+    """Its device figures need CUDA; on a CPU the same steps run and report their wall times."""
+    done = run_python(["benchmarks/gpu_step.py", "--device", "cpu", "--model", tiny_model_dir, "--chats", "4",
+                       "--steps", "4", "--mixed-rounds", "1", "--no-compile", "--profile", "3"], ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["chats"] == 4 and figures["step_ms_p50"] > 0 and figures["weights_read_ms"] is None
+    assert {"scheduler.schedule", "runner.execute", "output processor"} <= set(figures["host_ms_mean"])
+    assert set(figures["eager_decode"]) == {"fused layer ops", "torch's ops"}
+    assert set(figures["mixed"]) == {"25 graphs", "25 eager", "128 graphs", "128 eager"}
+    assert all(m["ms_p50"] > 0 and m["paths"] for m in figures["mixed"].values())
+    assert "Own time over 4 decode steps" in done.stdout
+
+
 VARIANT_FILE = """
 import kernels
 from engine.worker.models import llama
