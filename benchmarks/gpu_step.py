@@ -77,6 +77,7 @@ class StepParts:
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.on = False
         core, runner = engine.core, engine.core.runner
+        self._wrap(core, "step", "engine core step (engine.serve's core loop; no text)")
         self._wrap(core.scheduler, "schedule", "scheduler.schedule")
         self._wrap(core.scheduler, "update", "scheduler.update")
         self._wrap(runner, "execute", "runner.execute")
@@ -265,6 +266,7 @@ def run(args, folder: str, device: torch.device, dtype: str) -> None:
     weights = weight_bytes(folder)
     read_ms = 1000 * weights / bandwidth if bandwidth else None
     step_ms = 1000 * statistics.median(walls)
+    core_ms = 1000 * host.get("engine core step (engine.serve's core loop; no text)", 0) / args.steps
     forward_ms = 1000 * statistics.median(forward) if forward else None
     where = device_name(device) + (f" (host: {cpu_model()})" if device.type == "cuda" else "")
     print(f"{args.chats} chats decoding, {args.model} in {dtype} on {where}; {args.steps} steps, path {path!r}")
@@ -279,6 +281,8 @@ def run(args, folder: str, device: torch.device, dtype: str) -> None:
         print(f"{'the weights read once (' + f'{weights / 1e9:.2f} GB at {bandwidth / 1e9:,.0f} GB/s copy)':<48} "
               f"{read_ms:>9.3f}")
         print(f"{'  as a share of the decode step':<48} {read_ms / step_ms:>9.1%}")
+        if core_ms:
+            print(f"{'  as a share of the engine core step':<48} {read_ms / core_ms:>9.1%}")
     for label, m in eager.items():
         print(f"{'decode step, eager, ' + label + ' (p50)':<48} {m['ms_p50']:>9.3f}"
               + (f"   forward {m['device_ms_p50']:.3f}" if m["device_ms_p50"] is not None else ""))
@@ -298,6 +302,8 @@ def run(args, folder: str, device: torch.device, dtype: str) -> None:
                "weight_bytes": weights, "copy_gb_s": round(bandwidth / 1e9, 1) if bandwidth else None,
                "weights_read_ms": round(read_ms, 3) if read_ms else None,
                "weights_read_share": round(read_ms / step_ms, 4) if read_ms else None,
+               "core_step_ms_mean": round(core_ms, 3),
+               "weights_read_share_of_core_step": round(read_ms / core_ms, 4) if read_ms and core_ms else None,
                "eager_decode": eager, "mixed": mixed,
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(json.dumps(figures))

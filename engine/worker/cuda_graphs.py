@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 import kernels
@@ -67,6 +66,9 @@ class CudaGraphs:
         shape = model.shape
         self.flat_plan = kernels.fixed_plan_attention(tokens, n, shape.num_heads, shape.num_kv_heads, shape.head_dim,
                                                       kv_cache) if max_tokens else None
+        # every input of the largest step: token ids, positions, slots, query starts, context
+        # lengths, sampled rows, block tables
+        self._staging = HostStaging(3 * tokens + (n + 2) + (n + 1) + n + n * max_blocks_per_seq, device)
         self._meta = {b: self._bucket_meta(b) for b in self.buckets}
         self._flat_meta = {t: AttentionMetadata(self.slot_mapping[:t], self.flat_cu_seqlens_q, self.flat_seqused_k,
                                                 self.flat_block_table, self.flat_plan) for t in self.token_buckets}
@@ -132,14 +134,14 @@ class CudaGraphs:
         log.info("captured CUDA graphs for decode batches of %s sequences and flattened steps of %s tokens",
                  self.buckets, self.token_buckets or "no")
 
-    def _table(self, rows: int, block_tables: list[list[int]]) -> torch.Tensor:
-        width = self.block_table.shape[1]
-        if max(len(t) for t in block_tables) > width:
-            raise ValueError(f"a block table is longer than the {width} blocks a sequence may hold")
-        table = np.zeros((rows, width), dtype=np.int32)
-        for row, blocks in enumerate(block_tables):
-            table[row, :len(blocks)] = blocks
-        return torch.from_numpy(table)
+    def _stage_table(self, block_tables: list[list[int]]) -> tuple[slice, int]:
+        """The sequences' block tables, each padded with block 0 to the longest, staged. Columns
+        past the longest, and the rows of padding sequences, keep what they held: block ids
+        written by an earlier step, or 0 (a padding sequence reads one key of its row's first block)."""
+        width = max(len(t) for t in block_tables)
+        if width > self.block_table.shape[1]:
+            raise ValueError(f"a block table is longer than the {self.block_table.shape[1]} blocks a sequence may hold")
+        return self._staging.put_rows(block_tables, width), width
 
     def _replay(self, key: tuple[str, int]) -> torch.Tensor:
         graph = self._graphs.get(key)
@@ -155,15 +157,17 @@ class CudaGraphs:
         if not 0 < n <= self.max_batch:
             raise ValueError(f"a decode batch of {n} sequences does not fit the buckets (1..{self.max_batch})")
         b = next(size for size in self.buckets if size >= n)
-        table = self._table(b, block_tables)
-        pad = b - n
-        # Host-built, then one copy each into the static buffers (non-blocking from pinned memory
-        # would need pinned staging; these are a few KiB).
-        self.input_ids[:b].copy_(torch.tensor(input_ids + [0] * pad))
-        self.positions[:b].copy_(torch.tensor(positions + [0] * pad))
-        self.slot_mapping[:b].copy_(torch.tensor(slots + [-1] * pad))
-        self.seqused_k[:b].copy_(torch.tensor(k_lens + [1] * pad, dtype=torch.int32))
-        self.block_table[:b].copy_(table)
+        stage = self._staging
+        stage.begin()
+        ids, pos, slot = stage.put(input_ids, b, 0), stage.put(positions, b, 0), stage.put(slots, b, -1)
+        lens = stage.put(k_lens, b, 1)
+        table, width = self._stage_table(block_tables)
+        sent = stage.send()
+        self.input_ids[:b].copy_(sent[ids])
+        self.positions[:b].copy_(sent[pos])
+        self.slot_mapping[:b].copy_(sent[slot])
+        self.seqused_k[:b].copy_(sent[lens])
+        self.block_table[:n, :width].copy_(sent[table].view(n, width))
         return self._replay(("decode", b))[:n]
 
     def run_flat(self, input_ids: list[int], positions: list[int], slots: list[int], cu_q: list[int],
@@ -176,13 +180,66 @@ class CudaGraphs:
                              f"(up to {self.max_tokens} tokens, {self.max_batch} sequences)")
         t = next(size for size in self.token_buckets if size >= n)
         slots_total = self.max_batch + 1  # the last one stays empty: padded attention tiles point at it
-        self.input_ids[:t].copy_(torch.tensor(input_ids + [0] * (t - n)))
-        self.positions[:t].copy_(torch.tensor(positions + [0] * (t - n)))
-        self.slot_mapping[:t].copy_(torch.tensor(slots + [-1] * (t - n)))
-        self.flat_cu_seqlens_q.copy_(torch.tensor(cu_q + [n] * (slots_total + 1 - len(cu_q)), dtype=torch.int32))
-        self.flat_seqused_k.copy_(torch.tensor(k_lens + [1] * (slots_total - seqs), dtype=torch.int32))
-        self.flat_block_table.copy_(self._table(slots_total, block_tables))
         rows = [cu_q[i + 1] - 1 for i in sample_rows]
-        self.flat_logits_indices.copy_(torch.tensor(rows + [0] * (self.max_batch - len(rows))))
+        stage = self._staging
+        stage.begin()
+        ids, pos, slot = stage.put(input_ids, t, 0), stage.put(positions, t, 0), stage.put(slots, t, -1)
+        starts = stage.put(cu_q, slots_total + 1, n)
+        lens = stage.put(k_lens, slots_total, 1)
+        sampled = stage.put(rows, self.max_batch, 0)
+        table, width = self._stage_table(block_tables)
+        sent = stage.send()
+        self.input_ids[:t].copy_(sent[ids])
+        self.positions[:t].copy_(sent[pos])
+        self.slot_mapping[:t].copy_(sent[slot])
+        self.flat_cu_seqlens_q.copy_(sent[starts])
+        self.flat_seqused_k.copy_(sent[lens])
+        self.flat_logits_indices.copy_(sent[sampled])
+        self.flat_block_table[:seqs, :width].copy_(sent[table].view(seqs, width))
         kernels.fill_plan(self.flat_plan, [b - a for a, b in zip(cu_q, cu_q[1:])])
         return self._replay(("flat", t))[:len(rows)]
+
+
+class HostStaging:
+    """A step's inputs written on the host into one buffer (pinned, on a GPU machine) and sent to
+    the device in one transfer, then split there into the graphs' static buffers: one copy a step
+    where there was one per buffer, each of which, from pageable memory, waited for the device."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        pinned = device.type == "cuda"
+        self.host = torch.empty(size, dtype=torch.int64, pin_memory=pinned)
+        self.array = self.host.numpy()
+        self.device_copy = torch.empty(size, dtype=torch.int64, device=device)
+        self.sent = torch.cuda.Event() if pinned else None
+        self.used = 0
+
+    def begin(self) -> None:
+        if self.sent is not None:
+            self.sent.synchronize()  # the last transfer has read the buffer: it may be written again
+        self.used = 0
+
+    def put(self, values: list[int], length: int, pad: int) -> slice:
+        """`values`, then `pad` up to `length` entries; the place they will have on the device."""
+        start, end = self.used, self.used + length
+        if end > self.array.shape[0]:
+            raise ValueError(f"a step's inputs need more than the {self.array.shape[0]} staged entries")
+        self.array[start:start + len(values)] = values
+        self.array[start + len(values):end] = pad
+        self.used = end
+        return slice(start, end)
+
+    def put_rows(self, rows: list[list[int]], width: int) -> slice:
+        """Rows of at most `width` values as a `[len(rows), width]` block, each padded with 0."""
+        place = self.put([], len(rows) * width, 0)
+        block = self.array[place].reshape(len(rows), width)
+        for i, row in enumerate(rows):
+            block[i, :len(row)] = row
+        return place
+
+    def send(self) -> torch.Tensor:
+        """The staged entries, on the device (in stream order: the copies that read them follow)."""
+        sent = self.device_copy[:self.used]
+        sent.copy_(self.host[:self.used], non_blocking=True)
+        if self.sent is not None:
+            self.sent.record()
+        return sent
