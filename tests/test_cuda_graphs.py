@@ -105,10 +105,10 @@ def test_flattened_steps_of_chunks_beside_decodes_equal_the_ordinary_path(tiny_m
     monkeypatch.setenv("PAGEDCHAT_KERNELS", kernels)
     system = tokenizer("You are a terse assistant. Answer in one short sentence, plainly.",
                        add_special_tokens=False).input_ids
-    texts = PROMPTS if kernels == "torch" else PROMPTS[:3]
+    texts = PROMPTS if kernels == "torch" else PROMPTS[:2]  # Triton's interpreter: ~25 ms a program
     prompts = [system + tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     prompts.append(prompts[0] * 3)  # 3 chunks of at most 24 tokens, beside the others' decodes
-    params = SamplingParams(temperature=0, max_tokens=12 if kernels == "torch" else 5, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12 if kernels == "torch" else 4, ignore_eos=True)
     options = dict(num_gpu_blocks=64, num_cpu_blocks=64, block_size=16, max_num_batched_tokens=24)
     plain = staggered(LLM(tiny_model_dir, cuda_graphs=False, **options), prompts, params)
     steps: list[tuple[int, int]] = []
