@@ -5,15 +5,18 @@ by Python. Capturing the forward pass once per size in a CUDA graph and replayin
 all with one call. A graph replays fixed addresses and fixed shapes, so a step's inputs are copied
 into static buffers and padded up to the nearest captured size ("bucket"):
 - a decode batch (one new token per sequence) to a batch bucket: padded rows are sequences that
-  read one key from block 0 and write nothing (slot -1), and their logits are dropped. One query
+  read one key of the block their table row names and write nothing (slot -1), and their logits
+  are dropped. One query
   tile per sequence and no flash-decoding split (a split length would be baked into the graph
   while contexts grow).
 - any other step (prompt chunks, with or without decodes beside them: vLLM's flattened batch) to
   a token bucket, over `max_batch` sequence slots and one more kept empty: the attention's tile
   list is as long as such a step can need and refilled each step (kernels.fill_plan), the tiles
   past the step's pointing at the empty sequence; padded tokens belong to no sequence (their rows
-  are computed and never read, and write nothing to the cache). Only the sampled rows' logits
-  are computed.
+  are computed and never read, and write nothing to the cache). Logits are computed for the
+  sampled rows only (`max_batch` of them, the unused ones row 0's).
+The inputs of a step go to the device in one transfer (HostStaging), and every graph writes its
+logits into one shared buffer.
 
 Without CUDA (or with `capture=False`, or the torch kernels forced) the same padded static-buffer
 paths run eagerly: that is how the tests on a CPU check that padding changes no output.
