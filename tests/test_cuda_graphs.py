@@ -97,18 +97,16 @@ def staggered(llm: LLM, prompts: list[list[int]], params: SamplingParams, every:
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_flattened_steps_of_chunks_beside_decodes_equal_the_ordinary_path(tiny_model_dir, tokenizer, monkeypatch,
-                                                                          kernels):
+def test_flattened_steps_of_chunks_beside_decodes_equal_the_ordinary_path(tiny_model_dir, tokenizer, monkeypatch):
     """Steps that mix prompt chunks (some past a cached shared prefix, some long enough to be
-    split over steps) with decodes, padded to a token bucket: the tokens of the ordinary path."""
-    monkeypatch.setenv("PAGEDCHAT_KERNELS", kernels)
+    split over steps) with decodes, padded to a token bucket: the tokens of the ordinary path.
+    (The Triton path's refilled tile list: tests/test_triton_kernels.py, and the padded-decode
+    test above, whose prompts take the flattened buckets under Triton's interpreter.)"""
     system = tokenizer("You are a terse assistant. Answer in one short sentence, plainly.",
                        add_special_tokens=False).input_ids
-    texts = PROMPTS if kernels == "torch" else PROMPTS[:2]  # Triton's interpreter: ~25 ms a program
-    prompts = [system + tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    prompts = [system + tokenizer(t, add_special_tokens=False).input_ids for t in PROMPTS]
     prompts.append(prompts[0] * 3)  # 3 chunks of at most 24 tokens, beside the others' decodes
-    params = SamplingParams(temperature=0, max_tokens=12 if kernels == "torch" else 4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     options = dict(num_gpu_blocks=64, num_cpu_blocks=64, block_size=16, max_num_batched_tokens=24)
     plain = staggered(LLM(tiny_model_dir, cuda_graphs=False, **options), prompts, params)
     steps: list[tuple[int, int]] = []
