@@ -8,7 +8,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.sampling_params import StructuredOutputsParams
-from engine.worker.cuda_graphs import BUCKETS, CudaGraphs, buckets_up_to
+from engine.worker.cuda_graphs import BUCKETS, TOKEN_BUCKETS, CudaGraphs, buckets_up_to
 
 # Every engine here names its host pool: the default (1 GiB of swap space, 131k of the tiny model's
 # blocks) costs ~0.6 s of CPU to allocate, per engine.
@@ -21,6 +21,16 @@ def test_buckets():
     assert buckets_up_to(5) == [1, 2, 4, 5]
     assert buckets_up_to(256) == list(BUCKETS)
     assert buckets_up_to(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert buckets_up_to(24, TOKEN_BUCKETS) == [24]
+    assert buckets_up_to(2048, TOKEN_BUCKETS) == [64, 128, 256, 512, 1024, 2048]
+
+
+def test_steps_longer_than_the_largest_token_bucket_run_eagerly(tiny_model_dir):
+    llm = LLM(tiny_model_dir, num_gpu_blocks=16, num_cpu_blocks=16, cuda_graphs=True, max_num_batched_tokens=20_000,
+              max_model_len=256)
+    graphs = llm.engine.runner.graphs
+    assert graphs.token_buckets[-1] == TOKEN_BUCKETS[-1] == graphs.max_tokens
+    assert graphs.takes_flat(TOKEN_BUCKETS[-1], 4) and not graphs.takes_flat(TOKEN_BUCKETS[-1] + 1, 4)
 
 
 def count_graph_runs(monkeypatch) -> list[int]:

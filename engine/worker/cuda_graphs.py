@@ -44,16 +44,18 @@ def buckets_up_to(max_batch: int, sizes: tuple[int, ...] = BUCKETS) -> list[int]
 class CudaGraphs:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, max_batch: int, max_blocks_per_seq: int,
                  capture: bool = True, max_tokens: int = 0) -> None:
-        """`max_tokens` > 0: flattened steps of up to that many tokens (and `max_batch` sequences)
-        too; 0: decode batches only."""
+        """`max_tokens` > 0: flattened steps of up to that many tokens (at most TOKEN_BUCKETS'
+        largest) and `max_batch` sequences too; 0: decode batches only."""
         if max_batch < 1 or max_blocks_per_seq < 1 or max_tokens < 0:
             raise ValueError(f"max_batch and max_blocks_per_seq must be positive and max_tokens not negative, "
                              f"got {max_batch}, {max_blocks_per_seq}, {max_tokens}")
         self.model, self.kv_cache = model, kv_cache
         self.buckets = buckets_up_to(max_batch)
-        self.token_buckets = buckets_up_to(max_tokens, TOKEN_BUCKETS) if max_tokens else []
+        # Captured up to TOKEN_BUCKETS' largest: a step beyond it is long enough to pay its own
+        # launches, and its graph's activations would be held for every smaller step.
+        self.token_buckets = buckets_up_to(min(max_tokens, TOKEN_BUCKETS[-1]), TOKEN_BUCKETS) if max_tokens else []
         n, device = self.buckets[-1], kv_cache.device
-        tokens = max(n, max_tokens)
+        tokens = max(n, self.token_buckets[-1] if self.token_buckets else 0)
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
