@@ -134,7 +134,7 @@ def test_soak_script_short(tiny_model_dir):
                               "--think-s", "0.3", "--leave-share", "0.25", "--bad-share", "0.15", "--hang-s", "60",
                               "--ramp-s", "1"])
     assert figures["replies_finished"] > 0 and figures["left_mid_reply"] + figures["bad_input_refused"] > 0
-    assert figures["replies_lost"] == 0 and figures["hung"] == 0 and figures["errors"] == 0, figures
+    assert figures["replies_lost"] == 0 and figures["hung"] == 0 and figures["errors"] == 0, figures["error_kinds"]
     assert figures["blocks_left"] == 0 and figures["requests_left"] == 0
     assert figures["page_loads"] > 0 and figures["page_load_p99_s"] is not None
 
