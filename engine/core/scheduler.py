@@ -320,8 +320,10 @@ class Scheduler:
             # the step passes LONGEST_STEP times the target: the queue keeps moving, and the
             # chats already streaming keep a pace their readers can follow.
             waited = 0.0 if oldest is None else max(self.clock() - oldest, 0.0)
-            share = min(PROMPT_SHARE + waited / QUEUE_PATIENCE_S,
-                        max((LONGEST_STEP * target - decode_time) / decode_time, PROMPT_SHARE))
+            # A fit may put none of a step's time on its decodes (its terms are kept non-negative):
+            # then the prompts have the whole target.
+            room = (LONGEST_STEP * target - decode_time) / decode_time if decode_time > 0 else float("inf")
+            share = min(PROMPT_SHARE + waited / QUEUE_PATIENCE_S, max(room, PROMPT_SHARE))
             self._prompt_time = max(target - decode_time, share * decode_time)
 
     def _order_waiting(self) -> None:
