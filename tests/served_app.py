@@ -18,6 +18,7 @@ def free_port() -> int:
 
 
 CLOSE_GRACE_S = 1  # what is left streaming when a test's server closes is the test's litter
+PORT_TRIES = 5
 
 
 class Served:
@@ -28,19 +29,25 @@ class Served:
         import uvicorn
 
         self._on_close = list(on_close)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/"
         # A stream still open at close (a gradio_client session's heartbeat never ends) is
         # cancelled after CLOSE_GRACE_S: uvicorn waited on it until close() gave up on the
         # thread, 7-15 s of an idle core per module, and the server thread lived on.
         options = {"timeout_graceful_shutdown": CLOSE_GRACE_S, **options}
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                     **options))
-        self._thread = threading.Thread(target=self._server.run, name=f"uvicorn-{self.port}", daemon=True)
-        self._thread.start()
-        wait_for(lambda: self._server.started or not self._thread.is_alive(), f"the server on port {self.port} to start")
-        if not self._server.started:
-            raise RuntimeError(f"the server on port {self.port} did not start")
+        # The free port is free when asked for, not when bound: another process of the suite can
+        # take it in between ("address already in use"), and then another port is tried.
+        for _ in range(PORT_TRIES):
+            self.port = free_port()
+            self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                         **options))
+            self._thread = threading.Thread(target=self._server.run, name=f"uvicorn-{self.port}", daemon=True)
+            self._thread.start()
+            wait_for(lambda: self._server.started or not self._thread.is_alive(),
+                     f"the server on port {self.port} to start")
+            if self._server.started:
+                break
+        else:
+            raise RuntimeError(f"the server did not start on any of {PORT_TRIES} free ports")
+        self.url = f"http://127.0.0.1:{self.port}/"
 
     def close(self) -> None:
         self._server.should_exit = True
