@@ -118,7 +118,7 @@ class StepParts:
         self.events.clear()
 
 
-def decode_steps(engine, steps: int, chats: int) -> list[float]:
+def decode_steps(engine, steps: int) -> list[float]:
     """Wall seconds of `steps` steps in which all `chats` decode and nothing else runs."""
     times = []
     for _ in range(steps):
@@ -185,7 +185,7 @@ def run(args, folder: str, device: torch.device, dtype: str) -> None:
 
     parts = StepParts(engine, device)
     parts.on = True
-    walls = decode_steps(engine, args.steps, args.chats)
+    walls = decode_steps(engine, args.steps)
     path = engine.core.runner.last_path
     forward = parts.device_seconds()
     host = dict(parts.totals)
@@ -196,7 +196,7 @@ def run(args, folder: str, device: torch.device, dtype: str) -> None:
         parts.on = False
         profiler = cProfile.Profile()
         profiler.enable()
-        decode_steps(engine, args.steps, args.chats)
+        decode_steps(engine, args.steps)
         profiler.disable()
         stream = io.StringIO()
         pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(args.profile)
@@ -213,7 +213,7 @@ def run(args, folder: str, device: torch.device, dtype: str) -> None:
         for _ in range(3):
             engine.step()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
-            decode_steps(engine, 10, args.chats)
+            decode_steps(engine, 10)
         runner.graphs = graphs
         kernel_text = profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.kernels,
                                                     max_name_column_width=70)
@@ -226,10 +226,10 @@ def run(args, folder: str, device: torch.device, dtype: str) -> None:
     for label, fused in (("fused layer ops", True), ("torch's ops", False)):
         model.fuse_layer_ops = fused
         parts.on = False
-        decode_steps(engine, 3, args.chats)
+        decode_steps(engine, 3)
         parts.on = True
         parts.reset()
-        times = decode_steps(engine, 20, args.chats)
+        times = decode_steps(engine, 20)
         device_times = parts.device_seconds()
         eager[label] = {"ms_p50": round(1000 * statistics.median(times), 3),
                         "device_ms_p50": round(1000 * statistics.median(device_times), 3) if device_times else None}

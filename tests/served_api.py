@@ -1,6 +1,9 @@
 """The OpenAI-compatible server over the tiny model, in this process, for the API test modules
-that share its shape (module-scoped: import the fixtures into the module)."""
+that share its shape (module-scoped: import the fixtures into the module), and `running`, the same
+server over any engine client."""
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 from openai import OpenAI
@@ -8,6 +11,16 @@ from served_app import Served
 
 from engine import EngineClient, LLMEngine
 from engine.serve import build_server
+
+
+@contextmanager
+def running(client: EngineClient, api_key: str | None = None):
+    """`python -m engine.serve`'s app over `client` on a free loopback port, in this process: its URL."""
+    served = Served(build_server(client, "tiny", api_key))
+    try:
+        yield served.url.rstrip("/")
+    finally:
+        served.close()
 
 
 @pytest.fixture(scope="module")
@@ -19,9 +32,8 @@ def engine_client(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def url(engine_client):
-    served = Served(build_server(engine_client, "tiny"))
-    yield served.url.rstrip("/")
-    served.close()
+    with running(engine_client) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -8,31 +8,20 @@ import math
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
 from openai import APIStatusError, AsyncOpenAI, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
-from served_app import PeakRunning, Served, free_port
+from served_api import running
+from served_app import PeakRunning, free_port
 from waiting import poll
 
 from engine import LLM, EngineClient, LLMEngine, SamplingParams
-from engine.serve import build_server
 
 SYSTEM = ("You are PagedChat's test assistant. You answer briefly and precisely, and you never mention "
           "that you are a language model. Keep every answer to a single short paragraph, please.")
 GREEDY = dict(temperature=0.0, max_tokens=16)
-
-
-@contextmanager
-def running(client: EngineClient, api_key: str | None = None):
-    """`python -m engine.serve`'s app over `client` on a free loopback port, in this process: its URL."""
-    served = Served(build_server(client, "tiny", api_key))
-    try:
-        yield served.url.rstrip("/")
-    finally:
-        served.close()
 
 
 @pytest.fixture(scope="module")

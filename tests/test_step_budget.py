@@ -184,18 +184,7 @@ def test_under_saturation_prompts_keep_a_share_of_each_step():
 def test_a_model_that_predicts_free_decodes_leaves_prompts_the_whole_target():
     """A fit that puts none of a step's time on its decodes (its terms are kept non-negative, and
     a loaded machine's timings can fit so): the scheduler goes on, the prompts get the target."""
-    sched, runner = make(num_device_blocks=2048, max_num_batched_tokens=4096, max_step_ms=100.0,
-                         min_prompt_chunk=4, block_size=16)
-    for i in range(8):
-        sched.add_request(request(f"chat{i}", prompt(i, 10), max_tokens=400, ignore_eos=True))
-    for i in range(8):
-        sched.add_request(request(f"teach{i}", prompt(50 + i, 20 + 7 * i), max_tokens=1, ignore_eos=True))
-        out, _ = run_step(sched, runner)
-        sched.observe_step(out, simulated_seconds(out))
-    for _ in range(30):  # the teaching prompts done: decodes alone
-        out, _ = run_step(sched, runner)
-        sched.observe_step(out, simulated_seconds(out))
-    assert sched.step_cost.ready and not sched.waiting and out.num_prefill_tokens == 0
+    sched, runner = saturated(100.0, 8, lambda: 0.0)
     sched.step_cost.coefficients = (0.0, 0.0, TOKEN_S, 0.0)  # decodes predicted free
     sched.add_request(request("late", prompt(99, 400), max_tokens=2, ignore_eos=True))
     out, _ = run_step(sched, runner)  # raised ZeroDivisionError while it planned the step
