@@ -119,7 +119,7 @@ class StepParts:
 
 
 def decode_steps(engine, steps: int) -> list[float]:
-    """Wall seconds of `steps` steps in which all `chats` decode and nothing else runs."""
+    """Wall seconds of `steps` engine steps (the chats decoding, nothing else running)."""
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
