@@ -556,40 +556,63 @@ def sustained(row: dict) -> bool:
 
 
 def climb(run: Callable[[float], dict], rates: list[float], refine: float = REFINE,
-          past_limit: tuple[float, ...] = ()) -> dict:
+          past_limit: tuple[float, ...] = (), rechecks: int = 2) -> dict:
     """Rates in increasing order until the first one whose good share is under SUSTAINED; then
     rates between the highest sustained one and that one (the geometric mean of the two, again)
     until they are at most `refine` apart; then, past the limit, each multiple in `past_limit` of
     the highest sustained rate (how gently the system degrades). `run(rate)` gives a rate's row.
+
+    A server's good share is not monotonic in the rate: one trace's burst can fail a rate that a
+    higher one passes. When a rate past the limit is sustained, the limit found was such a dip,
+    not the limit: the climb goes on from the highest sustained rate (at most `rechecks` times),
+    so a noisy system's limit is not understated, and the rates past the limit are multiples of
+    the limit it ends with. The unsustained rates below that limit are returned as `dips`.
+
     Returns every row in the order run, the highest sustained rate (None if not even the first),
-    the first unsustained one (None if every rate was sustained) and the past-the-limit rows."""
+    the first unsustained one above it (None if every rate was sustained), the past-the-limit rows
+    and the dips."""
     rows: list[dict] = []
-    good = bad = None
-    for rate in rates:
-        row = run(rate)
-        rows.append(row)
-        if not sustained(row):
-            bad = rate
-            break
-        good = rate
-    while good is not None and bad is not None and bad / good > refine * 1.0001:
-        rate = round((good * bad) ** 0.5, 3)
-        row = run(rate)
-        rows.append(row)
-        if sustained(row):
+    by_rate: dict[float, dict] = {}
+
+    def at(rate: float) -> dict:
+        if rate not in by_rate:
+            by_rate[rate] = run(rate)
+            rows.append(by_rate[rate])
+        return by_rate[rate]
+
+    def rise(ladder) -> tuple[float | None, float | None]:
+        good = None
+        for rate in ladder:
+            if not sustained(at(rate)):
+                return good, rate
             good = rate
+        return good, None
+
+    good, bad = rise(rates)
+    past: list[dict] = []
+    for recheck in range(rechecks + 1):
+        while good is not None and bad is not None and bad / good > refine * 1.0001:
+            rate = round((good * bad) ** 0.5, 3)
+            if sustained(at(rate)):
+                good = rate
+            else:
+                bad = rate
+        if good is None:
+            break
+        past = [{"multiple": multiple, **at(round(good * multiple, 3))} for multiple in past_limit]
+        passed = [row["rate"] for row in past if sustained(row)]
+        if not passed or recheck == rechecks:
+            break
+        # The limit was a dip: go on from the highest rate sustained past it.
+        floor = max(passed)
+        failed = [row["rate"] for row in past if row["rate"] > floor and not sustained(row)]
+        if failed:
+            good, bad = floor, min(failed)
         else:
-            bad = rate
-    past = []
-    if good is not None:
-        done = {row["rate"]: row for row in rows}
-        for multiple in past_limit:
-            rate = round(good * multiple, 3)
-            row = done.get(rate) or run(rate)
-            if rate not in done:
-                rows.append(row)
-            past.append({"multiple": multiple, **row})
-    return {"rows": rows, "max_good_rate": good, "first_unsustained_rate": bad, "past_limit": past}
+            higher = [rate for rate in rates if rate > floor] or [round(floor * 2 ** k, 3) for k in range(1, 5)]
+            good, bad = rise([floor] + higher)
+    dips = sorted(row["rate"] for row in rows if good is not None and row["rate"] < good and not sustained(row))
+    return {"rows": rows, "max_good_rate": good, "first_unsustained_rate": bad, "past_limit": past, "dips": dips}
 
 
 def one_chat(target: Target, max_tokens: int = 300, seed: int = 0, timeout_s: float = 600, rounds: int = 1) -> dict:
@@ -783,7 +806,9 @@ def main() -> None:
     for r in sorted(rows, key=lambda r: r["rate"]):
         print(table_row(r))
     if climbed:
-        print(f"highest sustained rate: {climbed['max_good_rate']}; first unsustained: {climbed['first_unsustained_rate']}")
+        dips = f"; unsustained below it: {', '.join(f'{r:g}/s' for r in climbed['dips'])}" if climbed["dips"] else ""
+        print(f"highest sustained rate: {climbed['max_good_rate']}; first unsustained: "
+              f"{climbed['first_unsustained_rate']}{dips}")
     sources = sorted({r["output_tokens_from"] for r in rows})
     print(f"output tokens from: {', '.join(sources)}")
     print(json.dumps({"model": target.model, "protocol": args.protocol, "url": target.url,
@@ -792,7 +817,8 @@ def main() -> None:
                       "ttft_slo_s": args.ttft_slo_s, "itl_slo_ms": args.itl_slo_ms, "exact": not args.eos_ends,
                       "one_chat": alone, "rates": rows,
                       "max_good_rate": climbed["max_good_rate"] if climbed else None,
-                      "first_unsustained_rate": climbed["first_unsustained_rate"] if climbed else None}))
+                      "first_unsustained_rate": climbed["first_unsustained_rate"] if climbed else None,
+                      "dips": climbed["dips"] if climbed else []}))
 
 
 if __name__ == "__main__":

@@ -273,9 +273,37 @@ def test_the_climb_narrows_the_limit_then_runs_past_it():
     assert [row["rate"] for row in climbed["rows"]] == ran
     # Nothing sustained: no narrowing, nothing past the limit.
     ran.clear()
+    assert climbed["dips"] == []
     assert serve.climb(run, [8, 16], past_limit=(2,)) == {"rows": [{"rate": 8, "good_share": 0.5}],
                                                           "max_good_rate": None, "first_unsustained_rate": 8,
-                                                          "past_limit": []}
+                                                          "past_limit": [], "dips": []}
+
+
+def test_a_dip_below_the_limit_does_not_end_the_climb():
+    """A system that fails 2/s (one trace's burst) but sustains everything else up to 5/s: the
+    first bracket (1–2) ends at 1.414, 1.5x it is sustained, so the climb goes on from there and
+    finds the real limit; the rates past the limit are multiples of that one, and 2/s is a dip."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import serve
+
+    ran = []
+
+    def run(rate):
+        ran.append(rate)
+        return {"rate": rate, "good_share": 0.8 if rate == 2 or rate > 5 else 1.0}
+
+    climbed = serve.climb(run, [1, 2, 4, 8], past_limit=(1.5, 2))
+    good, bad = climbed["max_good_rate"], climbed["first_unsustained_rate"]
+    assert good <= 5 < bad <= good * 1.25 * 1.0001
+    assert [p["rate"] for p in climbed["past_limit"]] == [round(good * 1.5, 3), round(good * 2, 3)]
+    assert all(p["good_share"] < 0.95 for p in climbed["past_limit"])
+    assert climbed["dips"] == [2]
+    assert len(ran) == len(set(ran)) and [row["rate"] for row in climbed["rows"]] == ran
+    # A system whose every rate past the limit passes keeps rechecking only so often.
+    ran.clear()
+    bumpy = serve.climb(lambda rate: ran.append(rate) or {"rate": rate, "good_share": 0.8 if rate == 2 else 1.0},
+                        [1, 2], past_limit=(1.5,), rechecks=1)
+    assert bumpy["first_unsustained_rate"] is None and bumpy["dips"] == [2] and len(ran) < 12
 
 
 def test_quantized_matrix_script_small():

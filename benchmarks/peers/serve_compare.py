@@ -26,7 +26,8 @@ arrived), in increasing order, until a rate's
 good share (requests with TTFT <= 1 s and their own ITL p99 <= 200 ms, over requests sent) is
 below 95%; then rates between the highest sustained one and that one until they are within
 1.25x of each other (so each system's sustained rate is known to within 25%); then, past the
-limit, 1.5x and 2x its highest sustained rate. The server is stopped (SIGTERM to its process
+limit, 1.5x and 2x its highest sustained rate (and where one of those is sustained, the limit
+was a trace's dip: the climb goes on from there; the dips are reported). The server is stopped (SIGTERM to its process
 group, then SIGKILL) before the next starts. First of all, our engine alone with no server
 (engine_alone.py) writes the same one chat: the tok/s the served ones are held to. At the end,
 the goals, each with its figures: the highest sustained rate 1.5x each peer's; at each rate
@@ -264,7 +265,8 @@ def start(running: Running, report: dict, args: argparse.Namespace) -> serve.Tar
 def measure(name: str, target: serve.Target, running: Running, report: dict, args: argparse.Namespace) -> None:
     """One chat alone, then the climb (serve.climb): rates in increasing order until the first
     unsustained one, narrowed to within 1.25x, then the rates past the limit."""
-    report.update(one_chat_tok_s=None, max_good_rate=None, first_unsustained_rate=None, rates=[], past_limit=[])
+    report.update(one_chat_tok_s=None, max_good_rate=None, first_unsustained_rate=None, dips=[], rates=[],
+                  past_limit=[])
 
     def run(rate: float) -> dict:
         if running.process.poll() is not None:
@@ -284,6 +286,7 @@ def measure(name: str, target: serve.Target, running: Running, report: dict, arg
             print(f"{name}: one chat alone: {alone}", flush=True)
         climbed = serve.climb(run, args.rates, past_limit=args.past_limit)
         report.update(max_good_rate=climbed["max_good_rate"], first_unsustained_rate=climbed["first_unsustained_rate"],
+                      dips=climbed["dips"],
                       past_limit=[{"multiple": row["multiple"], "rate": row["rate"], "good_share": row["good_share"]}
                                   for row in climbed["past_limit"]])
     except Exception as error:  # noqa: BLE001 - one system's failure is reported; the others still run
@@ -447,6 +450,8 @@ def print_report(systems: dict, args: argparse.Namespace) -> dict:
             sustained = f"{'>= ' if capped else ''}{best:g}/s"
         if report["first_unsustained_rate"] is not None:
             sustained += f" (first unsustained {report['first_unsustained_rate']:g}/s)"
+        if report.get("dips"):
+            sustained += f"; unsustained below it: {', '.join(f'{r:g}/s' for r in report['dips'])}"
         alone = "-" if alone is None else f"{alone:.1f} tok/s"
         sources = ", ".join(report["output_tokens_from"]) or "-"
         extra = "".join(f"; {report[key]}" for key in ("note", "error") if report.get(key))
