@@ -246,7 +246,9 @@ class ModelRunner:
         if constrained:
             wants_logprobs = any(item.request.sampling_params.logprobs is not None for item in items)
             allowed = logits.float().clone() if wants_logprobs else logits.float()  # logprobs: the model's own
-            grammars.mask_(allowed, [items[i].request_id for i in constrained], constrained)
+            grammars.mask_(allowed, [items[i].request_id for i in constrained], constrained,
+                           [items[i].request.sampling_params.max_tokens - items[i].request.num_output_tokens
+                            for i in constrained])
             known_argmax = None
         tokens = sample(allowed, rows, known_argmax)
         for i in constrained:

@@ -15,6 +15,7 @@ import xgrammar as xgr
 
 from engine.core.sampling_params import StructuredOutputsParams
 from engine.worker.structured.grammar import grammar_of
+from engine.worker.structured.json_closing import ClosingMasks
 
 CACHED_GRAMMARS = 256
 # Compiled grammars keep a token mask per state: 35 KiB for a two-property schema, 6.4 MiB for 120
@@ -33,6 +34,8 @@ class GrammarCompiler:
         self._compiler: xgr.GrammarCompiler | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compiler")
         self._compiled: OrderedDict[str, Future] = OrderedDict()
+        # Made with the vocabulary, before the first grammar is handed out (json_closing.py).
+        self.closing: ClosingMasks | None = None
 
     def compile(self, params: StructuredOutputsParams) -> Future:
         """The compiled grammar (xgrammar's CompiledGrammar), now or later. Its exception, for a
@@ -62,6 +65,7 @@ class GrammarCompiler:
             info = xgr.TokenizerInfo.from_huggingface(self._tokenizer(), vocab_size=self._vocab_size,
                                                       stop_token_ids=self._stop_token_ids)
             # One thread: the engine's compute threads have the other cores.
+            self.closing = ClosingMasks(info.decoded_vocab, info.stop_token_ids, self._vocab_size)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler.compile_grammar(grammar_of(params))
 

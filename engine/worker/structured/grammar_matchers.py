@@ -3,7 +3,8 @@ over the vocabulary, applied to its logits before sampling) and the tokens it ha
 
 A matcher follows its request's output tokens and is never rolled back: a request preempted by
 swap or by recompute keeps its output tokens, so its matcher stays where it was. Samples forked
-from a request (n > 1) fork its matcher before taking their first tokens."""
+from a request (n > 1) fork its matcher before taking their first tokens. A JSON reply's matcher
+comes with where its text stands (json_closing.py), so that it closes before its max_tokens."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,7 @@ import xgrammar as xgr
 
 from engine.core.sampling_params import StructuredOutputsParams
 from engine.worker.structured.grammar_compiler import GrammarCompiler
+from engine.worker.structured.json_closing import OpenJson
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +26,15 @@ class GrammarMatchers:
         self.vocab_size = vocab_size
         self._pending: dict[str, Future] = {}
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
+        self._json: dict[str, OpenJson] = {}  # the JSON replies' open structure
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
     # ---- requests in and out ------------------------------------------------------------
     def add(self, request_id: str, params: StructuredOutputsParams) -> None:
         """Start compiling the request's grammar (or take it from the cache)."""
         self._pending[request_id] = self.compiler.compile(params)
+        if params.kind in ("json", "json_object"):
+            self._json[request_id] = OpenJson()
 
     def poll(self) -> tuple[list[str], dict[str, str]]:
         """The requests whose grammar is ready since the last poll, and those whose grammar
@@ -60,19 +65,26 @@ class GrammarMatchers:
     def remove(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
         self._matchers.pop(request_id, None)
+        self._json.pop(request_id, None)
 
     # ---- one step -----------------------------------------------------------------------
     def constrains(self, request_id: str) -> bool:
         return request_id in self._matchers
 
-    def mask_(self, logits: torch.Tensor, request_ids: list[str], rows: list[int]) -> None:
+    def mask_(self, logits: torch.Tensor, request_ids: list[str], rows: list[int],
+              tokens_left: list[int] | None = None) -> None:
         """In place, -inf on every token the grammar does not allow next, for `request_ids`'
-        rows of `logits` (fp32 `[rows, vocab]`)."""
+        rows of `logits` (fp32 `[rows, vocab]`). `tokens_left`: each request's max_tokens less
+        its output so far; a JSON reply with just enough left to close is narrowed to closing."""
         if self._bitmask.shape[0] < logits.shape[0]:
             self._bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
         bitmask = self._bitmask[:logits.shape[0]]
-        for request_id, row in zip(request_ids, rows):
+        closing = self.compiler.closing
+        for i, (request_id, row) in enumerate(zip(request_ids, rows)):
             self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
+            reply = self._json.get(request_id)
+            if reply is not None and tokens_left is not None and closing is not None:
+                closing.narrow_(bitmask[row], reply, tokens_left[i])
         if bitmask.device != logits.device:  # the matchers fill it on the host; a GPU's logits mask there
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
@@ -82,7 +94,13 @@ class GrammarMatchers:
         if not self._matchers[request_id].accept_token(token):
             # Not after a mask: every token the mask lets through is one the matcher takes.
             log.error("request %s sampled token %d, which its grammar does not allow", request_id, token)
+        reply = self._json.get(request_id)
+        closing = self.compiler.closing
+        if reply is not None and closing is not None and token < len(closing.token_bytes):
+            reply.feed(closing.token_bytes[token])
 
     def fork(self, request_id: str, sample_id: str) -> None:
         """`sample_id` (a sample forked from the request) starts where the request is now."""
         self._matchers[sample_id] = self._matchers[request_id].fork()
+        if request_id in self._json:
+            self._json[sample_id] = self._json[request_id].copy()

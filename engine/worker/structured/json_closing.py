@@ -1,0 +1,160 @@
+"""A constrained JSON reply that nears its max_tokens closes instead of being cut.
+
+A small model sampling at a high temperature can run on inside one string, or repeat a key, until
+its max_tokens: the reply is then cut mid-structure and is not JSON, although the grammar allowed
+every token of it. So once the tokens a reply has left are only just enough to close what it has
+open (a string, a key waiting for its value, its objects and arrays), its next token is narrowed,
+within what the grammar allows, to tokens that close. Inside a string, tokens with its closing
+quote (inside a string `}` and `]` are text). Outside one: first tokens made only of `}` and `]`;
+where the grammar allows none of those (a key must come, a value must begin), tokens of those and
+`"`; then also `:` and spaces; then also digits and the literals; only then anything the grammar
+allows (a schema's required key is spelled as its grammar says). Once the JSON is whole, the stop
+tokens. The reply ends at its grammar's end, as any JSON reply does, a few tokens shorter than the model
+would have written it; what it wrote before is untouched.
+
+OpenJson follows a reply's text byte by byte (the structural characters are ASCII, so a token that
+splits a UTF-8 character needs no decoding) and says how many tokens closing it takes at most.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+# Closing starts when the tokens left are at most those closing takes, the stop token and this
+# many: what one token written freely just before may add (a comma: a key, its colon and value).
+MARGIN = 5
+
+WHITESPACE = frozenset(b" \t\r\n")
+LITERALS = ("null", "true", "false")
+CLOSING_CHARACTERS = '"}]: 0123456789-.'
+
+
+@dataclass
+class OpenJson:
+    """Where a JSON text stands: its open objects and arrays, whether it is inside a string (a key
+    or a value) or a number or literal, and what it expects next."""
+    stack: list[int] = field(default_factory=list)  # b"{" or b"[" for each open container
+    in_string: bool = False
+    escape: int = 0  # inside a string: -1 just after a backslash, n > 0: hex digits of \\u still to come
+    string_is_key: bool = False
+    expect: str = "value"  # value, key, key_or_end, value_or_end, colon, after
+    scalar: bool = False  # inside a number or a literal
+
+    def feed(self, data: bytes) -> None:
+        for c in data:
+            if self.in_string:
+                if self.escape == -1:
+                    self.escape = 4 if c == ord("u") else 0
+                elif self.escape > 0:
+                    self.escape -= 1
+                elif c == ord("\\"):
+                    self.escape = -1
+                elif c == ord('"'):
+                    self.in_string = False
+                    self.expect = "colon" if self.string_is_key else "after"
+                continue
+            if c in WHITESPACE:
+                if self.scalar:
+                    self.scalar, self.expect = False, "after"
+                continue
+            if c == ord('"'):
+                self.in_string, self.scalar = True, False
+                self.string_is_key = self.expect in ("key", "key_or_end")
+            elif c in b"{[":
+                self.stack.append(c)
+                self.scalar = False
+                self.expect = "key_or_end" if c == ord("{") else "value_or_end"
+            elif c in b"}]":
+                if self.stack:
+                    self.stack.pop()
+                self.scalar, self.expect = False, "after"
+            elif c == ord(":"):
+                self.scalar, self.expect = False, "value"
+            elif c == ord(","):
+                self.scalar = False
+                self.expect = "key" if self.stack and self.stack[-1] == ord("{") else "value"
+            else:  # a number's or a literal's character
+                self.scalar, self.expect = True, "after"
+
+    @property
+    def whole(self) -> bool:
+        """A complete JSON value: nothing open, nothing expected."""
+        return not self.stack and not self.in_string and self.expect == "after"
+
+    def pieces_to_close(self) -> int:
+        """At most how many tokens closing takes: a string's quote (and its escape's rest), a key's
+        colon and value (a value: `"` and `"`), a number's or literal's last character, each `}`
+        or `]`; tokens that join them (`"}`, `""`, `"]}`) only make it fewer."""
+        pieces = len(self.stack) + self.scalar
+        if self.in_string:
+            pieces += 1 + bool(self.escape) + (3 if self.string_is_key else 0)
+        else:
+            pieces += {"colon": 3, "value": 2, "key": 5}.get(self.expect, 0)
+        return pieces
+
+    def copy(self) -> OpenJson:
+        return OpenJson(list(self.stack), self.in_string, self.escape, self.string_is_key, self.expect, self.scalar)
+
+
+def closing_level(text: str) -> int:
+    """Outside a string, how early a token's text may close (1 is tried first), 0 never: 1 only
+    `}` and `]`; 2 those and `"`; 3 those, `:` and spaces; 4 those, digits, sign and point, or a
+    literal among them."""
+    if not text or text.isspace():
+        return 0
+    chars = set(text)
+    if chars <= set("}]"):
+        return 1
+    if chars <= set('"}]'):
+        return 2
+    if chars <= set('"}]: '):
+        return 3
+    if chars <= set(CLOSING_CHARACTERS) or text.strip('"}]: ') in LITERALS:
+        return 4
+    return 0
+
+
+def closes_string(text: str) -> bool:
+    """Inside a string: the token ends it (its quote), with nothing but closers after."""
+    return '"' in text and set(text) <= set('"}]')
+
+
+class ClosingMasks:
+    """The vocabulary's closing tokens and stop tokens as bitmask rows (xgrammar's layout: token i
+    is bit i % 32 of int32 word i // 32), made once from the decoded vocabulary."""
+
+    def __init__(self, decoded_vocab: Sequence[bytes], stop_token_ids: Sequence[int], vocab_size: int) -> None:
+        words = (vocab_size + 31) // 32
+        self.token_bytes = list(decoded_vocab[:vocab_size])  # what each token adds to a reply's text
+        # Only tokens made of closing characters (and the literals) can be any of them: a quick
+        # filter first, as the vocabulary has tens of thousands of tokens.
+        texts = {i: text for i, token in enumerate(self.token_bytes)
+                 if (text := token.decode("utf-8", "replace")) and text.strip(CLOSING_CHARACTERS) in ("", *LITERALS)}
+        levels = {i: closing_level(text) for i, text in texts.items()}
+        self.outside = [self._bits([i for i, level in levels.items() if 0 < level <= most], words)
+                        for most in (1, 2, 3, 4)]
+        self.in_string = self._bits([i for i, text in texts.items() if closes_string(text)], words)
+        self.stops = self._bits([i for i in stop_token_ids if i < vocab_size], words)
+
+    @staticmethod
+    def _bits(token_ids: list[int], words: int) -> torch.Tensor:
+        bits = np.zeros(words, dtype=np.uint32)
+        ids = np.asarray(token_ids, dtype=np.int64)
+        np.bitwise_or.at(bits, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+        return torch.from_numpy(bits.view(np.int32))
+
+    def narrow_(self, row: torch.Tensor, reply: OpenJson, tokens_left: int) -> bool:
+        """Narrow one bitmask row (the grammar's allowed tokens, in place) if `reply` must close
+        now, `tokens_left` counting this token. True when it was narrowed."""
+        if tokens_left > reply.pieces_to_close() + 1 + MARGIN:  # 1: the stop token, so that it ends "stop"
+            return False
+        candidates = [self.stops] if reply.whole else [self.in_string] if reply.in_string else self.outside
+        for bits in candidates:
+            both = row & bits
+            if bool(both.any()):
+                row.copy_(both)
+                return True
+        return False
