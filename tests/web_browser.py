@@ -55,12 +55,19 @@ class Browser:
         page.set_default_timeout(TIMEOUT_MS)
         if viewport:
             page.set_viewport_size(viewport)
-        page.on("pageerror", lambda error: self.errors.append(f"page error: {error}"))
+        page.on("pageerror", lambda error: self.on_page_error(page, error))
         page.on("console", self.on_console)
         page.goto(self.url + path)
         if not path:
             page.wait_for_function(f"() => !!localStorage.getItem('{USER_KEY}')")  # on_load has run
         return page
+
+    def on_page_error(self, page, error) -> None:
+        # Where it came from, for a failure seen once: the page, whether a reload was cutting its
+        # streams, and the script's innermost frames.
+        where = " while reloading" if self.reloading else ""
+        stack = " | ".join((getattr(error, "stack", "") or "").splitlines()[1:4])
+        self.errors.append(f"page error at {page.url}{where}: {error} [{stack.strip()}]")
 
     def on_console(self, message) -> None:
         if message.type == "error" and not self.reloading:
