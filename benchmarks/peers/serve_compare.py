@@ -27,8 +27,8 @@ good share (requests with TTFT <= 1 s and their own ITL p99 <= 200 ms, over requ
 below 95%; then rates between the highest sustained one and that one until they are within
 1.25x of each other (so each system's sustained rate is known to within 25%); then, past the
 limit, 1.5x and 2x its highest sustained rate (and where one of those is sustained, the limit
-was a trace's dip: the climb goes on from there; the dips are reported). The server is stopped (SIGTERM to its process
-group, then SIGKILL) before the next starts. First of all, our engine alone with no server
+was a trace's dip: the climb goes on from there; the dips are reported). The server is stopped
+(SIGTERM to its process group, then SIGKILL) before the next starts. First of all, our engine alone with no server
 (engine_alone.py) writes the same one chat: the tok/s the served ones are held to. At the end,
 the goals, each with its figures: the highest sustained rate 1.5x each peer's; at each rate
 vLLM sustains, our TTFT p99 and ITL p99 at most vLLM's; one chat served >= 90% of offline; past

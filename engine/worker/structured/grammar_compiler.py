@@ -64,8 +64,8 @@ class GrammarCompiler:
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self._tokenizer(), vocab_size=self._vocab_size,
                                                       stop_token_ids=self._stop_token_ids)
-            # One thread: the engine's compute threads have the other cores.
             self.closing = ClosingMasks(info.decoded_vocab, info.stop_token_ids, self._vocab_size)
+            # One thread: the engine's compute threads have the other cores.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler.compile_grammar(grammar_of(params))
 
