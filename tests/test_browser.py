@@ -83,8 +83,17 @@ def owner_and_id(store, title: str) -> tuple[str, int]:
 
 
 # ---- tests --------------------------------------------------------------------------------------
-def test_reply_streams_into_the_chat(served, profiles):
+def test_reply_streams_into_the_chat(served, profiles, monkeypatch):
     client, store, _ = served
+    # The tiny model writes 400 tokens in well under the page's 0.1-s update interval on a fast
+    # CPU: made to take at least 3 ms a step, the reply lasts over a second, some ten updates.
+    runner = client.engine.core.runner
+    execute = runner.execute
+
+    def slow_execute(*args, **kwargs):
+        time.sleep(0.003)
+        return execute(*args, **kwargs)
+    monkeypatch.setattr(runner, "execute", slow_execute)
     page = profiles().open()
     set_params(page, max_tokens=400)
     send(page, "Stream me a long answer")
