@@ -71,8 +71,7 @@ class GrammarMatchers:
     def constrains(self, request_id: str) -> bool:
         return request_id in self._matchers
 
-    def mask_(self, logits: torch.Tensor, request_ids: list[str], rows: list[int],
-              tokens_left: list[int] | None = None) -> None:
+    def mask_(self, logits: torch.Tensor, request_ids: list[str], rows: list[int], tokens_left: list[int]) -> None:
         """In place, -inf on every token the grammar does not allow next, for `request_ids`'
         rows of `logits` (fp32 `[rows, vocab]`). `tokens_left`: each request's max_tokens less
         its output so far; a JSON reply with just enough left to close is narrowed to closing."""
@@ -83,7 +82,7 @@ class GrammarMatchers:
         for i, (request_id, row) in enumerate(zip(request_ids, rows)):
             self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
             reply = self._json.get(request_id)
-            if reply is not None and tokens_left is not None and closing is not None:
+            if reply is not None and closing is not None:
                 closing.narrow_(bitmask[row], reply, tokens_left[i])
         if bitmask.device != logits.device:  # the matchers fill it on the host; a GPU's logits mask there
             bitmask = bitmask.to(logits.device, non_blocking=True)
