@@ -7,6 +7,7 @@ from a request (n > 1) fork its matcher before taking their first tokens. A JSON
 comes with where its text stands (json_closing.py), so that it closes before its max_tokens."""
 from __future__ import annotations
 
+import json
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
@@ -16,6 +17,7 @@ import xgrammar as xgr
 from engine.core.sampling_params import StructuredOutputsParams
 from engine.worker.structured.grammar_compiler import GrammarCompiler
 from engine.worker.structured.json_closing import OpenJson
+from engine.worker.structured.schema_costs import SchemaCosts
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,10 @@ class GrammarMatchers:
     def add(self, request_id: str, params: StructuredOutputsParams) -> None:
         """Start compiling the request's grammar (or take it from the cache)."""
         self._pending[request_id] = self.compiler.compile(params)
-        if params.kind in ("json", "json_object"):
+        if params.kind == "json":
+            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+            self._json[request_id] = OpenJson(schema=SchemaCosts(schema) if isinstance(schema, dict) else None)
+        elif params.kind == "json_object":
             self._json[request_id] = OpenJson()
 
     def poll(self) -> tuple[list[str], dict[str, str]]:
