@@ -225,7 +225,10 @@ def test_serve_comparison_script_runs_the_engine_and_reports_peers_not_set_up(ti
     rows = engine["rates"]
     assert rows and rows[0]["rate"] == 1.0, engine
     for row in rows:
-        assert row["completed"] == row["sent"] >= 3 and row["good"] <= row["completed"]
+        assert row["sent"] >= 3 and row["good"] <= row["completed"] <= row["sent"]
+        # On a fast host the tiny model's climb reaches hundreds a second, where the server refuses
+        # what its queue cannot hold: a request that did not complete says why.
+        assert row["completed"] == row["sent"] or row["errors"], row
     by_rate = {row["rate"]: row for row in rows}
     best, first_bad = engine["max_good_rate"], engine["first_unsustained_rate"]
     if best is None:  # not even the first rate: nothing more runs
