@@ -32,7 +32,6 @@ from engine.worker.compiled.shapes import CAPACITY_STEP, KINDS
 from engine.worker.compiled.lone_step import plain_matrix
 from engine.worker.compiled.steps import CompiledSteps
 from engine.worker.models.layers.matvec import MatVec
-from engine.worker.models.layers.packed_rows import rows_of
 from hf_reference import hf_greedy
 from processes import alive, group_members, processes_naming, wait_until
 
@@ -745,8 +744,7 @@ def test_the_packages_multiply_by_the_engines_own_weights(fake_builds, tiny_mode
     """Neither package holds weights. Loaded, the flat package is handed every weight the eager
     path multiplies by (a matmul's packed copy where there is one), the tensors themselves, to keep
     (user-managed), not copies; the lone package the engine's embedding and norms themselves, and
-    each matrix's packed copy read in place, or where oneDNN lays it out otherwise, laid out for one
-    row (`MatVec` blocks), made from the engine's matrix."""
+    each matrix laid out for one row (`MatVec` blocks), made from the engine's matrix."""
     from engine.runtime.engine_core import EngineCore
 
     fake_builds.folder.mkdir()
@@ -772,30 +770,15 @@ def test_the_packages_multiply_by_the_engines_own_weights(fake_builds, tiny_mode
         assert model.layers[0].qkv.batch_weight.is_mkldnn
 
     assert all(same_memory(lone.constants[name], weight) for name, weight in shared.items())
-    # Each matrix once: read in place where oneDNN's packed copy is laid out in blocks of 64 output
-    # features (packed_rows.py), else laid out for one row (`MatVec` blocks), made from it.
-    q_rows, own = model.shape.q_size, 0
-    parts = [(f"layers.{i}.{part}", getattr(layer, name), start, end)
-             for i, layer in enumerate(model.layers)
-             for name, part, start, end in [("qkv", "q", 0, q_rows), ("qkv", "kv", q_rows, layer.qkv.out_features),
-                                            ("down", "down", 0, layer.down.out_features)]]
-    half = model.lm_head.out_features // 2
-    parts += [("head.0", model.lm_head, 0, half), ("head.1", model.lm_head, half, model.lm_head.out_features)]
-    in_place = 0
-    for name, linear, start, end in parts:
-        plain = plain_matrix(linear)
-        if rows_of(linear.packed, plain) is not None:
-            rows = lone.constants[f"{name}.rows"]
-            assert rows.data_ptr() == torch.ops.mkldnn.data_ptr(linear.packed) + start * plain.shape[1] * plain.element_size()
-            assert rows.numel() == (end - start) * plain.shape[1]
-            in_place += 1
-        else:
-            assert torch.equal(lone.constants[f"{name}.blocks"], MatVec(plain[start:end]).blocks)
-    if torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        assert in_place == len(parts)  # the blocks of 64 oneDNN lays fp32 out in with AVX-512
+    q_rows = model.shape.q_size
+    for i, layer in enumerate(model.layers):
+        assert torch.equal(lone.constants[f"layers.{i}.q.blocks"], MatVec(plain_matrix(layer.qkv)[:q_rows]).blocks)
+        assert torch.equal(lone.constants[f"layers.{i}.down.blocks"], MatVec(plain_matrix(layer.down)).blocks)
+    head = plain_matrix(model.lm_head)
+    assert torch.equal(lone.constants["head.1.blocks"], MatVec(head[head.shape[0] // 2:]).blocks)
     linears = [model.lm_head, *(getattr(layer, name) for layer in model.layers
                                 for name in ("qkv", "o_proj", "gate_up", "down"))]
-    matrices = sum(t.numel() for name, t in lone.constants.items() if name.endswith((".blocks", ".rows")))
+    matrices = sum(t.numel() for name, t in lone.constants.items() if name.endswith(".blocks"))
     assert matrices >= sum(linear.out_features * linear.in_features for linear in linears)  # each once, padded
     # A server's core loads built packages before requests, having let the plain copies go first
     # (the one-row layout was made from the packed ones): two layouts held at once, never three.

@@ -15,7 +15,6 @@ from engine.worker.compiled.shapes import BATCH_BLOCK_SIZE, CAPACITY_STEP, MAX_B
 from engine.worker.loading.model_loader import load_checkpoint
 from engine.worker.compiled.lone_step import LoneStep
 from engine.worker.compiled.flat_step import FlatStep
-from engine.worker.models.layers.packed_rows import C_SHIM, load_library
 from engine.worker.models.llama import LlamaModel
 from engine.worker.package_trust import digest_path, install
 
@@ -38,10 +37,6 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
         # and k/v projections' normalized input, the rotated query) is computed once into a
         # buffer, not again for every block of weights (`realize_reads_threshold`).
         configs.update({"cpp.weight_prepack": False, "realize_reads_threshold": 1})
-        # Products on the engine's packed weights call packed_rows.c's C shim directly; the
-        # library is loaded first so that the package's symbol resolves.
-        configs["aot_inductor.custom_ops_to_c_shims"] = {torch.ops.pagedchat.packed_rows.default: [C_SHIM]}
-        load_library()
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_path(out, os.getpid())
     with torch.no_grad():

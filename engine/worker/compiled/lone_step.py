@@ -9,10 +9,8 @@ engine/worker/compiled/). What differs is how it reads K/V and lays out weights:
 sequence's K/V comes in one contiguous buffer for all layers instead of through block tables, the
 new token's K/V goes out as an output instead of being stored in place (a graph that mutates a
 large input copies it), the context length is a tensor so that one compiled graph serves every
-length, and every weight matmul is one row's product (`PackedRows` on the engine's packed weight
-where it can be read in place, a `MatVec` of its own layout elsewhere). The compiler keeps fused
-element-wise chains in fp32 where eager torch rounds after each op: the same numerics up to
-rounding.
+length, and every weight matmul is a `MatVec`. The compiler keeps fused element-wise chains in
+fp32 where eager torch rounds after each op: the same numerics up to rounding.
 """
 from __future__ import annotations
 
@@ -25,7 +23,6 @@ from engine.worker.models.layers.activation import silu_and_mul
 from engine.worker.models.layers.attention import attend
 from engine.worker.models.layers.linear import Linear
 from engine.worker.models.layers.matvec import MatVec
-from engine.worker.models.layers.packed_rows import BLOCK, PackedRows, rows_of
 from engine.worker.models.layers.rms_norm import rms_norm
 from engine.worker.models.layers.rotary import rotate
 from engine.worker.models.weights import frozen
@@ -36,17 +33,16 @@ if TYPE_CHECKING:
 
 class LoneStep(torch.nn.Module):
     """The decoder's step for one row, on the engine's weights: the embedding and the norms are
-    the engine's tensors themselves; each weight matmul reads the engine's packed weight in place
-    (`PackedRows`), or, where oneDNN lays it out otherwise, a `MatVec` of its matrix laid out anew
-    for one row. The compiled package is built without weights and handed these when loaded
-    (`constants`): the process holds each weight once where the packed one is read, and the
-    package none.
+    the engine's tensors themselves; each weight matmul is a `MatVec`, its matrix laid out anew
+    for one row (from the engine's plain matrix, or from its packed one where that is all it
+    keeps). The compiled package is built without weights and handed these when loaded
+    (`constants`), so the process holds the one-row layout once and the package none.
 
-    The q and the k/v projections are two products, as are the gate and the up projections and
-    the two halves of the output head: for `MatVec`, two consumers of the same normalized input
-    make the compiler (with `realize_reads_threshold=1`, see engine/worker/compiled/export.py)
-    compute it once into a buffer rather than again for every block of weights, and two equal
-    halves fuse into one loop that streams both."""
+    The q and the k/v projections are two `MatVec`s, as are the gate and the up projections and
+    the two halves of the output head: two consumers of the same normalized input make the
+    compiler (with `realize_reads_threshold=1`, see engine/worker/compiled/export.py) compute it
+    once into a buffer rather than again for every block of weights, and two equal halves fuse
+    into one loop that streams both."""
 
     def __init__(self, decoder: LlamaModel) -> None:
         super().__init__()
@@ -61,11 +57,19 @@ class LoneStep(torch.nn.Module):
         for source in decoder.layers:
             layer = torch.nn.Module()
             layer.input_norm, layer.post_norm = frozen(source.input_norm.weight), frozen(source.post_norm.weight)
-            layer.q, layer.kv = one_row(source.qkv, q_rows)
-            layer.gate, layer.up = one_row(source.gate_up, source.gate_up.out_features // 2)
-            (layer.o_proj,), (layer.down,) = one_row(source.o_proj), one_row(source.down)
+            qkv, bias = plain_matrix(source.qkv), source.qkv.bias
+            layer.q = MatVec(qkv[:q_rows], None if bias is None else bias[:q_rows].contiguous())
+            layer.kv = MatVec(qkv[q_rows:], None if bias is None else bias[q_rows:].contiguous())
+            del qkv
+            gate_up = plain_matrix(source.gate_up)
+            half = gate_up.shape[0] // 2
+            layer.gate, layer.up = MatVec(gate_up[:half]), MatVec(gate_up[half:])
+            del gate_up
+            layer.o_proj, layer.down = MatVec(plain_matrix(source.o_proj)), MatVec(plain_matrix(source.down))
             self.layers.append(layer)
-        self.head = torch.nn.ModuleList(one_row(decoder.lm_head, decoder.lm_head.out_features // 2))
+        head = plain_matrix(decoder.lm_head)
+        half = head.shape[0] // 2
+        self.head = torch.nn.ModuleList([MatVec(head[:half]), MatVec(head[half:])])
 
     def constants(self) -> dict[str, torch.Tensor]:
         """The weights by the names a compiled package of this step asks for them."""
@@ -111,22 +115,5 @@ class LoneStep(torch.nn.Module):
 
 def plain_matrix(linear: Linear) -> torch.Tensor:
     """The `[out, in]` matrix of `linear`: its plain weight, or its packed one unpacked (a
-    transient copy, while the one-row layout is checked or made from it)."""
+    transient copy, while the one-row layout is made from it)."""
     return linear.weight if linear.weight is not None else linear.packed.to_dense()
-
-
-def one_row(linear: Linear, split: int | None = None) -> list[torch.nn.Module]:
-    """One row times `linear`, as one part, or as two (its first `split` output features, then
-    the rest): on its packed weight itself where packed_rows.py reads it in place (each part whole
-    blocks of it), or else on `MatVec`'s layout of its matrix, a copy of its own."""
-    plain = plain_matrix(linear)
-    rows = rows_of(linear.packed, plain)
-    edges = [0, linear.out_features] if split is None else [0, split, linear.out_features]
-    parts: list[torch.nn.Module] = []
-    for start, end in zip(edges, edges[1:]):
-        bias = None if linear.bias is None else linear.bias[start:end].contiguous()
-        if rows is not None and start % BLOCK == 0 and end % BLOCK == 0:
-            parts.append(PackedRows(rows[start // BLOCK:end // BLOCK], linear.packed, bias))
-        else:
-            parts.append(MatVec(plain[start:end], bias))
-    return parts

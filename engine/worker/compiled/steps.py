@@ -39,7 +39,6 @@ from engine.worker.host_allocator import release_freed_memory
 from engine.worker.compiled.flat_step import FlatStep
 from engine.worker.compiled.loaded_package import LoadedPackage
 from engine.worker.compiled.lone_step import LoneStep
-from engine.worker.models.layers.packed_rows import load_library
 from engine.worker.models.llama import LlamaModel
 from engine.worker.package_trust import digest_path, digest_problem, folder_problem
 
@@ -183,8 +182,6 @@ class CompiledSteps:
         release_freed_memory()
 
     def _load(self, path: Path, kind: str) -> LoadedPackage:
-        if kind == "lone":
-            load_library()  # the C shim its products on packed weights call
         run = LoadedPackage(path)
         # The engine's weights themselves (the flat step's), or the lone step's one-row layout of
         # them, made here: kept by this object as long as the package runs on them.
