@@ -119,6 +119,9 @@ def test_the_costs_follow_refs_branches_and_arrays():
     loop = {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}},
                                                        "required": ["next"]}}}
     assert SchemaCosts(loop).value_pieces(loop) > 0  # a schema that requires itself stops counting
+    odd = {"type": "object", "required": "name", "properties": {"name": {"type": "string", "minLength": "5"}},
+           "anyOf": "x", "items": 3}
+    assert SchemaCosts(odd).value_pieces(odd) == 2 and SchemaCosts(odd).missing_pieces(odd, set()) == 0  # never raises
 
 
 def test_closing_tokens_by_how_early_they_are_taken():

@@ -30,6 +30,13 @@ def literal_pieces(value: object) -> int:
     return 1 + math.ceil(len(json.dumps(value, ensure_ascii=False)) / 3)
 
 
+def required_keys(node: dict) -> list[str]:
+    """A node's `required` keys (whatever else a schema puts there counts for none: the costs are
+    read on the engine's step and must not fail it)."""
+    keys = node.get("required")
+    return [key for key in keys if isinstance(key, str)] if isinstance(keys, list) else []
+
+
 class SchemaCosts:
     """One JSON schema's answers, memoized per subschema (a request's tracker asks on every
     structural character)."""
@@ -109,8 +116,8 @@ class SchemaCosts:
         most = 0
         for branch in self.branches(node):
             pieces, begun = 0, skip
-            for key in branch.get("required", []):
-                if not isinstance(key, str) or key in written:
+            for key in required_keys(branch):
+                if key in written:
                     continue
                 value = self.value_pieces(self.property(branch, key))
                 if begun is not None and key.startswith(begun):
@@ -130,7 +137,7 @@ class SchemaCosts:
             return 0
         most = 0
         for branch in self.branches(node):
-            properties, required = branch.get("properties"), branch.get("required", [])
+            properties, required = branch.get("properties"), required_keys(branch)
             for key in properties if isinstance(properties, dict) else ():
                 if key not in written and key not in required:
                     most = max(most, 1 + key_pieces(key) + self.value_pieces(self.property(branch, key)))
@@ -167,7 +174,8 @@ class SchemaCosts:
         if isinstance(kind, list) and kind:
             return max(self._pieces({**node, "type": one}, depth + 1) for one in kind)
         if kind == "string":
-            return 2 + int(node.get("minLength", 0) or 0)
+            least = node.get("minLength")
+            return 2 + (least if isinstance(least, int) and least > 0 else 0)
         if kind in ("integer", "number"):
             low = node.get("minimum", node.get("exclusiveMinimum"))
             return 1 + (len(str(int(low))) // 3 if isinstance(low, (int, float)) and abs(low) < 1e18 else 0)
@@ -177,5 +185,5 @@ class SchemaCosts:
             return 2 + self.min_items(node) * (1 + self._pieces(self.items(node) or {}, depth + 1))
         if kind == "object" or "properties" in node or "required" in node:
             return 2 + sum(1 + key_pieces(key) + self._pieces(self.property(node, key) or {}, depth + 1)
-                           for key in node.get("required", []) if isinstance(key, str))
+                           for key in required_keys(node))
         return UNKNOWN
