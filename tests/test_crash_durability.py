@@ -33,7 +33,7 @@ from ui import params, render  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 120
-STREAMING_TIMEOUT_S = 60
+STREAMING_TIMEOUT_S = 180  # a generous deadline: the suite runs two workers on two cores
 # A long reply runs into the tiny model's 1024-token context: far longer than the test waits.
 LONG_TOKENS, SHORT_TOKENS = 1000, 8
 LONG_USERS, SHORT_USERS = 8, 8
