@@ -744,7 +744,8 @@ def test_the_packages_multiply_by_the_engines_own_weights(fake_builds, tiny_mode
     """Neither package holds weights. Loaded, the flat package is handed every weight the eager
     path multiplies by (a matmul's packed copy where there is one), the tensors themselves, to keep
     (user-managed), not copies; the lone package the engine's embedding and norms themselves, and
-    each matrix laid out for one row (`MatVec` blocks), made from the engine's matrix."""
+    each matrix's packed copy read in place, or where oneDNN lays it out otherwise, laid out for one
+    row (`MatVec` blocks), made from the engine's matrix."""
     from engine.runtime.engine_core import EngineCore
 
     fake_builds.folder.mkdir()
@@ -770,19 +771,53 @@ def test_the_packages_multiply_by_the_engines_own_weights(fake_builds, tiny_mode
         assert model.layers[0].qkv.batch_weight.is_mkldnn
 
     assert all(same_memory(lone.constants[name], weight) for name, weight in shared.items())
-    q_rows = model.shape.q_size
-    for i, layer in enumerate(model.layers):
-        assert torch.equal(lone.constants[f"layers.{i}.q.blocks"], MatVec(plain_matrix(layer.qkv)[:q_rows]).blocks)
-        assert torch.equal(lone.constants[f"layers.{i}.down.blocks"], MatVec(plain_matrix(layer.down)).blocks)
-    head = plain_matrix(model.lm_head)
-    assert torch.equal(lone.constants["head.1.blocks"], MatVec(head[head.shape[0] // 2:]).blocks)
+    # Each matrix once: its packed copy read in place where oneDNN lays it out in blocks of 64
+    # output features (packed_rows.py; a tied head's rows are the embedding, held under that
+    # name), else laid out for one row (`MatVec` blocks), made from it.
+    parts = [(f"layers.{i}.{name}", getattr(layer, name)) for i, layer in enumerate(model.layers)
+             for name in ("qkv", "o_proj", "gate_up", "down")] + [("head", model.lm_head)]
+    in_place = 0
+    for name, linear in parts:
+        single = name.endswith(("o_proj", "down"))  # one module; the others a list of parts
+        if linear.rows is not None:
+            rows = lone.constants["embed" if linear is model.lm_head and model.tied else
+                                  f"{name}.rows" if single else f"{name}.0.rows"]
+            assert rows.data_ptr() == torch.ops.mkldnn.data_ptr(linear.packed)
+            assert rows.numel() == linear.out_features * linear.in_features
+            in_place += 1
+        else:
+            blocks = lone.constants[f"{name}.blocks" if single else f"{name}.0.blocks"]
+            first = linear.out_features if single else blocks.shape[0] * blocks.shape[2]
+            assert torch.equal(blocks, MatVec(plain_matrix(linear)[:first]).blocks)
+    if torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        assert in_place == len(parts)  # the blocks of 64 oneDNN lays fp32 out in with AVX-512
     linears = [model.lm_head, *(getattr(layer, name) for layer in model.layers
                                 for name in ("qkv", "o_proj", "gate_up", "down"))]
-    matrices = sum(t.numel() for name, t in lone.constants.items() if name.endswith(".blocks"))
-    assert matrices >= sum(linear.out_features * linear.in_features for linear in linears)  # each once, padded
-    # A server's core loads built packages before requests, having let the plain copies go first
-    # (the one-row layout was made from the packed ones): two layouts held at once, never three.
+    matrices = sum(t.numel() for name, t in lone.constants.items() if name.endswith((".blocks", ".rows")))
+    tied_rows = lone.constants["embed"].numel() if model.lm_head.rows is not None and model.tied else 0
+    assert matrices + tied_rows >= sum(linear.out_features * linear.in_features for linear in linears)  # each once
+    # A server's core loads built packages before requests, with no plain copy beside a packed one
+    # (its compiled steps read the packed ones): one layout held.
     assert all(linear.weight is None for linear in linears if linear.packed is not None)
+
+
+def test_an_engine_that_compiles_keeps_no_plain_copy_beside_a_packed_one(fake_builds, tiny_model_dir):
+    """fp32: an engine whose compiled steps will run its decodes packs each matrix and keeps no
+    plain copy beside it, from the load on (the load never holds both); a `Linear` made for a path
+    that chooses between them keeps both."""
+    from engine.runtime.engine_core import EngineCore
+    from engine.worker.models.layers.linear import Linear
+
+    weight = torch.randn(128, 64)
+    if Linear(weight).packed is None:
+        pytest.skip("oneDNN does not pack fp32 here: every matrix is plain only")
+    assert Linear(weight).weight is weight and Linear(weight, plain_copy=False).weight is None
+    fake_builds.folder.mkdir()
+    core = EngineCore(tiny_model_dir, dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, compile_decode=True)
+    model = core.model
+    linears = [model.lm_head, *(getattr(layer, name) for layer in model.layers
+                                for name in ("qkv", "o_proj", "gate_up", "down"))]
+    assert all(linear.weight is None and linear.packed is not None for linear in linears)
 
 
 def _group_writable(folder: Path) -> None:

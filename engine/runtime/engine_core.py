@@ -64,7 +64,13 @@ class EngineCore:
         checkpoint = load_checkpoint(model, self.dtype, quantized=self.quantization == "native")
         self._model = model
         self.model_name = model or os.environ.get("MODEL") or DEFAULT_MODEL_NAME
-        self.model = LlamaModel(checkpoint, self.dtype, self.device, consume=True)
+        if compile_decode is None:
+            compile_decode = compiled_steps.enabled_by_default()
+        # Where compiled steps will run the decodes, no fp32 matrix is kept plain beside its packed
+        # copy (they read the packed one): the load never holds both.
+        compiles = (compile_decode and compiled_steps.supported(self.device, self.dtype) is None
+                    and self.quantization != "native")
+        self.model = LlamaModel(checkpoint, self.dtype, self.device, consume=True, plain_copies=not compiles)
         hf_config = checkpoint.config
         del checkpoint
         if self.device.type == "cpu":
@@ -98,8 +104,6 @@ class EngineCore:
         # a cache, and loaded, in the background from the first step on (a server loads built ones
         # before its first request); the eager path serves until they are ready. None: $PAGEDCHAT_COMPILE.
         self.compiled = None
-        if compile_decode is None:
-            compile_decode = compiled_steps.enabled_by_default()
         unsupported = compiled_steps.supported(self.device, self.dtype) or (
             "its graphs hold dense weights; the quantized ones run eagerly" if self.model.quantized else None)
         if not compile_decode:
@@ -318,8 +322,8 @@ class EngineCore:
         """For a server, before it takes requests: load the compiled steps now when they are built
         already. Loading a package holds the GIL for seconds; started by the first step, it
         stalled the first chats' streams by up to 2 s. A build (minutes) still starts with the
-        first step, the eager path serving meanwhile. The matrices' plain copies go first, so that
-        the lone step's layout of them is made while the process holds two layouts, not three."""
+        first step, the eager path serving meanwhile. The matrices' plain copies (if any were kept)
+        go first: the compiled steps read the packed ones."""
         if self.compiled is not None and not self.compiled.started and self.compiled.all_built():
             self.runner.release_plain_copies()
             self.compiled.wait(timeout_s)

@@ -15,6 +15,7 @@ from engine.worker.compiled.shapes import BATCH_BLOCK_SIZE, CAPACITY_STEP, MAX_B
 from engine.worker.loading.model_loader import load_checkpoint
 from engine.worker.compiled.lone_step import LoneStep
 from engine.worker.compiled.flat_step import FlatStep
+from engine.worker.models.layers.packed_rows import C_SHIM, load_library
 from engine.worker.models.llama import LlamaModel
 from engine.worker.package_trust import digest_path, install
 
@@ -32,11 +33,16 @@ def build(model: str | None, dtype: torch.dtype, out: Path, kind: str = "lone") 
     # handed over when the package is loaded: nothing is folded, and the package holds no weights.
     configs.update({"freezing": False, "aot_inductor.package_constants_in_so": False})
     if kind == "lone":
-        # A lone row's loops run over blocks laid out for them (`MatVec` in
-        # engine/worker/models/layers/matvec.py), as they are. An input read by two loops (the q
-        # and k/v projections' normalized input, the rotated query) is computed once into a
-        # buffer, not again for every block of weights (`realize_reads_threshold`).
+        # A lone row's products run on the packed weights in place (packed_rows.py) or over
+        # blocks laid out for them (`MatVec` in engine/worker/models/layers/matvec.py), as they
+        # are. An input read by two loops (the q and k/v projections' normalized input, the
+        # rotated query) is computed once into a buffer, not again for every block of weights
+        # (`realize_reads_threshold`).
         configs.update({"cpp.weight_prepack": False, "realize_reads_threshold": 1})
+        # Products on the engine's packed weights call packed_rows.c's C shim directly; the
+        # library is loaded first so that the package's symbol resolves.
+        configs["aot_inductor.custom_ops_to_c_shims"] = {torch.ops.pagedchat.packed_rows.default: [C_SHIM]}
+        load_library()
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_path(out, os.getpid())
     with torch.no_grad():

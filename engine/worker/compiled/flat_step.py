@@ -26,11 +26,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from engine.worker.models.layers.activation import silu_and_mul
 from engine.worker.models.layers.attention import attend
 from engine.worker.models.layers.linear import Linear, batch_matmul
+from engine.worker.models.layers.packed_rows import embedding
 from engine.worker.models.layers.rms_norm import rms_norm
 from engine.worker.models.layers.rotary import rotate
 from engine.worker.models.weights import frozen
@@ -100,7 +100,7 @@ class FlatStep(torch.nn.Module):
         chunks, width = chunk_rows.shape
         shared_len = shared_blocks.shape[0] * block_size
         decode_len, prompt_len = decode_blocks.shape[1] * block_size, prompt_blocks.shape[1] * block_size
-        hidden = F.embedding(torch.cat([decode_tokens, prompt_tokens]), self.embed)
+        hidden = embedding(torch.cat([decode_tokens, prompt_tokens]), self.embed)
         rows = hidden.shape[0]
         rotary = torch.cat([decode_rotary, prompt_rotary])
         cos, sin = rotary[:, None, 0], rotary[:, None, 1]

@@ -9,20 +9,22 @@ engine/worker/compiled/). What differs is how it reads K/V and lays out weights:
 sequence's K/V comes in one contiguous buffer for all layers instead of through block tables, the
 new token's K/V goes out as an output instead of being stored in place (a graph that mutates a
 large input copies it), the context length is a tensor so that one compiled graph serves every
-length, and every weight matmul is a `MatVec`. The compiler keeps fused element-wise chains in
-fp32 where eager torch rounds after each op: the same numerics up to rounding.
+length, and every weight matmul is one row's product (`PackedRows` on the engine's packed weight
+where it can be read in place, a `MatVec` of its own layout elsewhere). The compiler keeps fused
+element-wise chains in fp32 where eager torch rounds after each op: the same numerics up to
+rounding.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from engine.worker.models.layers.activation import silu_and_mul
 from engine.worker.models.layers.attention import attend
 from engine.worker.models.layers.linear import Linear
 from engine.worker.models.layers.matvec import MatVec
+from engine.worker.models.layers.packed_rows import PackedRows, embedding
 from engine.worker.models.layers.rms_norm import rms_norm
 from engine.worker.models.layers.rotary import rotate
 from engine.worker.models.weights import frozen
@@ -33,13 +35,17 @@ if TYPE_CHECKING:
 
 class LoneStep(torch.nn.Module):
     """The decoder's step for one row, on the engine's weights: the embedding and the norms are
-    the engine's tensors themselves; each weight matmul is a `MatVec`, its matrix laid out anew
-    for one row (from the engine's plain matrix, or from its packed one where that is all it
-    keeps). The compiled package is built without weights and handed these when loaded
-    (`constants`), so the process holds the one-row layout once and the package none.
+    the engine's tensors themselves; each weight matmul reads the engine's packed weight in place
+    (`PackedRows`), or, where oneDNN lays it out otherwise, a `MatVec` of its matrix laid out anew
+    for one row. The compiled package is built without weights and handed these when loaded
+    (`constants`): the process holds each weight once where the packed one is read, and the
+    package none. That layout streams a little slower for one row than `MatVec`'s, whose loops
+    the compiler fuses with the ops around them (one chat ~5-13% slower in bf16 on a 2-core EPYC);
+    a second copy of every weight costs more: a 1B model in bf16 is 2 GB.
 
-    The q and the k/v projections are two `MatVec`s, as are the gate and the up projections and
-    the two halves of the output head: two consumers of the same normalized input make the
+    A packed matrix is one product, a call into packed_rows.c (each call its own parallel region:
+    fewer, larger calls keep both threads streaming). A `MatVec` matrix is two: q apart from k/v,
+    gate from up, the head's two halves. Two consumers of the same normalized input make the
     compiler (with `realize_reads_threshold=1`, see engine/worker/compiled/export.py) compute it
     once into a buffer rather than again for every block of weights, and two equal halves fuse
     into one loop that streams both."""
@@ -57,23 +63,21 @@ class LoneStep(torch.nn.Module):
         for source in decoder.layers:
             layer = torch.nn.Module()
             layer.input_norm, layer.post_norm = frozen(source.input_norm.weight), frozen(source.post_norm.weight)
-            qkv, bias = plain_matrix(source.qkv), source.qkv.bias
-            layer.q = MatVec(qkv[:q_rows], None if bias is None else bias[:q_rows].contiguous())
-            layer.kv = MatVec(qkv[q_rows:], None if bias is None else bias[q_rows:].contiguous())
-            del qkv
-            gate_up = plain_matrix(source.gate_up)
-            half = gate_up.shape[0] // 2
-            layer.gate, layer.up = MatVec(gate_up[:half]), MatVec(gate_up[half:])
-            del gate_up
-            layer.o_proj, layer.down = MatVec(plain_matrix(source.o_proj)), MatVec(plain_matrix(source.down))
+            layer.qkv = torch.nn.ModuleList(one_row(source.qkv, q_rows))
+            layer.gate_up = torch.nn.ModuleList(one_row(source.gate_up, source.gate_up.out_features // 2))
+            (layer.o_proj,), (layer.down,) = one_row(source.o_proj), one_row(source.down)
             self.layers.append(layer)
-        head = plain_matrix(decoder.lm_head)
-        half = head.shape[0] // 2
-        self.head = torch.nn.ModuleList([MatVec(head[:half]), MatVec(head[half:])])
+        self.head = torch.nn.ModuleList(one_row(decoder.lm_head, decoder.lm_head.out_features // 2))
 
     def constants(self) -> dict[str, torch.Tensor]:
-        """The weights by the names a compiled package of this step asks for them."""
-        return {name: parameter.data for name, parameter in self.named_parameters()}
+        """The weights by the names a compiled package of this step asks for them: a tensor under
+        two names (a tied head's packed rows, which are the embedding too) by its first only, as
+        the package's graph holds it once."""
+        named: dict[str, torch.Tensor] = {}
+        for name, parameter in self.named_parameters():
+            if not any(parameter.data_ptr() == kept.data_ptr() and parameter.shape == kept.shape for kept in named.values()):
+                named[name] = parameter.data
+        return named
 
     def forward(self, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
                 length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,11 +91,12 @@ class LoneStep(torch.nn.Module):
         group, scale, eps = self.shape.group, self.shape.scale, self.shape.eps
         capacity = kv.shape[3]
         mask = torch.where(torch.arange(capacity, device=kv.device) < length, 0.0, float("-inf"))
-        hidden = F.embedding(token, self.embed)
+        hidden = embedding(token, self.embed)
         new_kv = []
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, eps)
-            q, kv_new = layer.q(x).view(heads, dim), layer.kv(x).view(2 * kv_heads, dim)
+            qkv = torch.cat([part(x) for part in layer.qkv], -1)
+            q, kv_new = qkv[:, :heads * dim].view(heads, dim), qkv[:, heads * dim:].view(2 * kv_heads, dim)
             q = rotate(q, cos, sin).view(kv_heads, group, dim).float()
             k = rotate(kv_new[:kv_heads], cos, sin).view(kv_heads, 1, dim)
             v = kv_new[kv_heads:].view(kv_heads, 1, dim)
@@ -106,7 +111,9 @@ class LoneStep(torch.nn.Module):
                             lambda weights: weights * v.float())])
             hidden = hidden + layer.o_proj(attn.to(self.dtype).reshape(1, heads * dim))
             x = rms_norm(hidden, layer.post_norm, eps)
-            hidden = hidden + layer.down(silu_and_mul(layer.gate(x), layer.up(x)))
+            gate_up = torch.cat([part(x) for part in layer.gate_up], -1)
+            half = gate_up.shape[1] // 2
+            hidden = hidden + layer.down(silu_and_mul(gate_up[:, :half], gate_up[:, half:]))
             new_kv.append(torch.cat([k, v]))
         x = rms_norm(hidden, self.norm, eps)
         logits = torch.cat([part(x) for part in self.head], -1).float()
@@ -117,3 +124,16 @@ def plain_matrix(linear: Linear) -> torch.Tensor:
     """The `[out, in]` matrix of `linear`: its plain weight, or its packed one unpacked (a
     transient copy, while the one-row layout is made from it)."""
     return linear.weight if linear.weight is not None else linear.packed.to_dense()
+
+
+def one_row(linear: Linear, split: int | None = None) -> list[torch.nn.Module]:
+    """One row times `linear`: one product on its packed weight itself where packed_rows.py reads
+    it in place, or else on `MatVec`'s layout of its matrix, a copy of its own, as one part or as
+    two (its first `split` output features, then the rest). The parts' outputs, concatenated, are
+    the product."""
+    if linear.rows is not None:
+        return [PackedRows(linear.rows, linear.bias)]
+    plain = plain_matrix(linear)
+    edges = [0, linear.out_features] if split is None else [0, split, linear.out_features]
+    return [MatVec(plain[start:end], None if linear.bias is None else linear.bias[start:end].contiguous())
+            for start, end in zip(edges, edges[1:])]

@@ -21,9 +21,11 @@ _LAYERS = tuple(f"engine/worker/models/layers/{name}.py"
                 for name in ("activation", "attention", "rms_norm", "rotary", "shape"))
 
 _SOURCES = {"lone": ("engine/worker/compiled/export.py", "engine/worker/compiled/shapes.py", "engine/worker/compiled/lone_step.py",
-                     "engine/worker/models/weights.py", "engine/worker/models/layers/matvec.py", *_LAYERS),
+                     "engine/worker/models/weights.py", "engine/worker/models/layers/matvec.py",
+                     "engine/worker/models/layers/packed_rows.py", *_LAYERS),
             "flat": ("engine/worker/compiled/export.py", "engine/worker/compiled/shapes.py", "engine/worker/compiled/flat_step.py",
-                     "engine/worker/models/weights.py", "engine/worker/models/layers/linear.py", *_LAYERS)}
+                     "engine/worker/models/weights.py", "engine/worker/models/layers/linear.py",
+                     "engine/worker/models/layers/packed_rows.py", *_LAYERS)}
 
 _PREFIX = {"lone": "decode", "flat": "flat-step"}
 

@@ -4,8 +4,9 @@ chat's decode step, and any other step of a chat server (decodes and prompt chun
 What a single user waits for on a CPU is one sequence's decode step, and eager torch spends much
 of it between the weight matmuls: hundreds of small ops a step, each microseconds of dispatch.
 `LoneStep` (engine/worker/compiled/lone_step.py) compiled ahead of time runs the whole step as
-one C++ call: the small ops fused into loops, the weight matmuls as loops over weights laid out
-for one row (`MatVec`), made from the engine's weights when the package loads. Every other step,
+one C++ call: the small ops fused into loops, each weight matmul one call into packed_rows.c over
+the engine's own packed weight (or, where oneDNN lays it out otherwise, a loop over a copy laid
+out for one row, `MatVec`, made when the package loads). Every other step,
 a batch of decodes with or without prompt chunks beside it (each arrival's new turn), runs
 `FlatStep` (engine/worker/compiled/flat_step.py) the same way, every new token a row of the same
 matmuls, reading past K/V from the paged cache and multiplying by the engine's own weights. Both
@@ -39,6 +40,7 @@ from engine.worker.host_allocator import release_freed_memory
 from engine.worker.compiled.flat_step import FlatStep
 from engine.worker.compiled.loaded_package import LoadedPackage
 from engine.worker.compiled.lone_step import LoneStep
+from engine.worker.models.layers.packed_rows import load_library
 from engine.worker.models.llama import LlamaModel
 from engine.worker.package_trust import digest_path, digest_problem, folder_problem
 
@@ -177,14 +179,16 @@ class CompiledSteps:
             except Exception as error:  # the eager path goes on serving
                 self.error = f"{kind} step: {type(error).__name__}: {error}"
                 log.warning("compiled %s step unavailable, running eagerly: %s", kind, self.error)
-        # What loading freed (the matrices unpacked for the one-row layout, the packages' own
+        # What loading freed (any matrix unpacked for `MatVec`'s layout, the packages' own
         # loading) back to the kernel: the engine keeps freed memory otherwise (host_allocator.py).
         release_freed_memory()
 
     def _load(self, path: Path, kind: str) -> LoadedPackage:
+        if kind == "lone":
+            load_library()  # the C shim its products on packed weights call
         run = LoadedPackage(path)
-        # The engine's weights themselves (the flat step's), or the lone step's one-row layout of
-        # them, made here: kept by this object as long as the package runs on them.
+        # The engine's weights themselves (the lone step's read in place, or laid out anew where
+        # they cannot be): kept by this object as long as the package runs on them.
         step = FlatStep(self.decoder) if kind == "flat" else LoneStep(self.decoder)
         self._constants[kind] = step.constants()
         run.load_constants(self._constants[kind], check_full_update=True, user_managed=True)

@@ -16,13 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 import kernels
 from engine.worker.loading.checkpoint import Checkpoint, as_checkpoint
 from engine.worker.kv_layout import kv_cache_shape, layer_kv
 from engine.worker.models.layers.activation import silu_and_mul
 from engine.worker.models.layers.linear import Linear, settle_few_row_path
+from engine.worker.models.layers.packed_rows import embedding
 from engine.worker.models.layers.quantized_linear import QuantizedLinear
 from engine.worker.models.layers.rms_norm import RMSNorm
 from engine.worker.models.layers.rotary import RotaryTable, rotate
@@ -66,16 +66,19 @@ class LlamaLayer:
     down: Linear | QuantizedLinear
 
 
-def linear(weight: Weight, bias: torch.Tensor | None = None) -> Linear | QuantizedLinear:
-    return QuantizedLinear(weight, bias) if isinstance(weight, list) else Linear(weight, bias)
+def linear(weight: Weight, bias: torch.Tensor | None = None, plain_copy: bool = True) -> Linear | QuantizedLinear:
+    return QuantizedLinear(weight, bias) if isinstance(weight, list) else Linear(weight, bias, plain_copy)
 
 
 class LlamaModel:
     def __init__(self, source: Checkpoint | torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                 consume: bool = False) -> None:
+                 consume: bool = False, plain_copies: bool = True) -> None:
         """`source`: the model's checkpoint, or a transformers model to take it from. `consume`:
         take the weights out of the checkpoint as they are laid out (DecoderWeights.of), for a
-        caller that has no other use for them: the load then holds each weight about once."""
+        caller that has no other use for them: the load then holds each weight about once.
+        `plain_copies`: fp32 matrices kept plain beside their packed copies (see Linear), for an
+        engine whose eager steps run every step; one whose compiled steps will run its decodes
+        drops them once those are in (`drop_plain_copies`), and may as well not make them."""
         checkpoint = as_checkpoint(source)
         self.shape = shape = DecoderShape.of(checkpoint.config)
         self.dtype, self.device = dtype, device
@@ -84,12 +87,13 @@ class LlamaModel:
         self.embed = weights.embed
         self.norm = RMSNorm(weights.norm, shape.eps)
         self.tied = weights.tied
-        self.lm_head = linear(weights.lm_head)
+        self.lm_head = linear(weights.lm_head, plain_copy=plain_copies)
         self.layers = []
         for index, w in enumerate(weights.layers):
-            self.layers.append(LlamaLayer(input_norm=RMSNorm(w.input_norm, shape.eps), qkv=linear(w.qkv, w.qkv_bias),
-                                          o_proj=linear(w.o_proj), post_norm=RMSNorm(w.post_norm, shape.eps),
-                                          gate_up=linear(w.gate_up), down=linear(w.down)))
+            self.layers.append(LlamaLayer(
+                input_norm=RMSNorm(w.input_norm, shape.eps), qkv=linear(w.qkv, w.qkv_bias, plain_copies),
+                o_proj=linear(w.o_proj, plain_copy=plain_copies), post_norm=RMSNorm(w.post_norm, shape.eps),
+                gate_up=linear(w.gate_up, plain_copy=plain_copies), down=linear(w.down, plain_copy=plain_copies)))
             weights.layers[index] = None  # a matrix kept only packed is freed now, not after the last layer
         # Whether a GGUF file's quantized matrices were kept quantized (gguf_file.load_model).
         self.quantized = isinstance(self.embed, QuantizedMatrix) or any(
@@ -98,6 +102,10 @@ class LlamaModel:
         settle_few_row_path(
             [linear for layer in self.layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             + [self.lm_head])
+        # A tied head packed for oneDNN is the input embedding too, read where it lies: the
+        # matrix (a sixth of SmolLM2's weights) is held once rather than plain beside its copy.
+        if self.tied and isinstance(self.lm_head, Linear) and self.lm_head.rows is not None:
+            self.embed = self.lm_head.rows
         self.rotary = RotaryTable(checkpoint, dtype, device)
         # A batch of decoding tokens' layers in one native call, where every layer matrix is kept quantized.
         self.native_layers = NativeLayers.of(self) if self.quantized else None
@@ -165,7 +173,7 @@ class LlamaModel:
         if isinstance(self.embed, QuantizedMatrix):
             hidden = self.embed.rows(input_ids).to(self.dtype)
         else:
-            hidden = F.embedding(input_ids, self.embed)
+            hidden = embedding(input_ids, self.embed)
         if self.fuse_layer_ops and kernels.fuses_layer_ops(kv_cache):
             return self._forward_fused(hidden, positions, kv_cache, meta, logits_indices)
         cos_sin = self.rotary.table[positions]  # [num_tokens, 2, head_dim]

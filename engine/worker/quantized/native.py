@@ -61,14 +61,17 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def library_path(compiler: str) -> Path:
+def library_path(compiler: str, stem: str = "qmatmul", sources: tuple[Path, ...] = SOURCES,
+                 headers: tuple[Path, ...] = HEADERS, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Where the library `stem` built from `sources` lives: named by them, the compiler and the CPU."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    identity = "\n".join([*(path.read_text() for path in (*SOURCES, *HEADERS)), compiler, version, " ".join(FLAGS), _cpu_flags()])
-    return native_folder() / f"qmatmul-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
+    identity = "\n".join([*(path.read_text() for path in (*sources, *headers)), compiler, version, " ".join(flags), _cpu_flags()])
+    return native_folder() / f"{stem}-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
 
 
-# library_path's names and their digest records (not the staging files of a build in progress)
-_FINISHED_BUILD = re.compile(rf"qmatmul-[0-9a-f]{{20}}\.so({re.escape(DIGEST_SUFFIX)})?")
+def _finished_build(stem: str) -> re.Pattern:
+    """library_path's names and their digest records (not the staging files of a build in progress)."""
+    return re.compile(rf"{re.escape(stem)}-[0-9a-f]{{20}}\.so({re.escape(DIGEST_SUFFIX)})?")
 
 
 def _remove_other_builds(current: Path) -> None:
@@ -78,8 +81,9 @@ def _remove_other_builds(current: Path) -> None:
     is left alone. A process that loaded an old library keeps it mapped; checkouts of different
     sources that share one folder rebuild in turn."""
     keep = {current.name, digest_path(current).name}
+    finished = _finished_build(current.name.rsplit("-", 1)[0])
     for path in current.parent.iterdir():
-        if path.name not in keep and _FINISHED_BUILD.fullmatch(path.name):
+        if path.name not in keep and finished.fullmatch(path.name):
             try:
                 path.unlink(missing_ok=True)
             except OSError as error:
@@ -118,23 +122,30 @@ def open_library(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def _load() -> ctypes.CDLL:
+def built_library(stem: str = "qmatmul", sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS,
+                  flags: tuple[str, ...] = FLAGS) -> Path:
+    """The library `stem` of `sources`, built first if this machine has none that this user's build
+    recorded; RuntimeError where there is no compiler or the folder is not safe."""
     compiler = _compiler()
     if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH to build the quantized matmul with")
-    out = library_path(compiler)
+        raise RuntimeError(f"no C compiler (cc or gcc) on PATH to build {stem} with")
+    out = library_path(compiler, stem, sources, headers, flags)
     out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     problem = folder_problem(out.parent)
     if problem:
         raise RuntimeError(f"not building or loading native code there: {problem}")
     if not out.exists() or digest_problem(out) is not None:
-        _build(compiler, out)
-        log.info("built the quantized matmul: %s", out)
+        _build(compiler, out, sources, flags)
+        log.info("built %s: %s", stem, out)
         _remove_other_builds(out)
     problem = digest_problem(out)
     if problem:
         raise RuntimeError(f"{out}: {problem}")
-    return open_library(out)
+    return out
+
+
+def _load() -> ctypes.CDLL:
+    return open_library(built_library())
 
 
 def library() -> ctypes.CDLL | None:

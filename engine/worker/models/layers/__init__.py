@@ -8,5 +8,8 @@ rotary.py     the rotary table and the rotation
 activation.py the MLP's SiLU-gated product
 attention.py  softmax over keys in parts (the compiled steps; eager's is kernels.paged_attention)
 linear.py     eager's weight matmuls (oneDNN-packed where that is faster)
-matvec.py     the lone compiled step's weight matmuls (loops over cache-line blocks)
+packed_rows.py one row times a packed weight, and an embedding lookup, read in place (the lone
+              compiled step's matmuls, a tied model's embedding)
+matvec.py     the lone compiled step's weight matmuls where oneDNN's layout is another
+              (loops over cache-line blocks of a copy)
 """

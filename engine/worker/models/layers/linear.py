@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from engine.worker.models.layers.packed_rows import rows_of
+
 PACK_ROWS = 32     # the batch size oneDNN lays the packed weight out for
 PLAIN_FP32_ROWS = 2  # fp32 batches up to this many rows may use the plain weight
 # The op overload itself (~120 calls a decode step): calling it skips the packet's lookup each time.
@@ -37,13 +39,18 @@ _PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mk
 class Linear:
     """y = x @ weight.T (+ bias) for `x` of shape [rows, in_features]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, plain_copy: bool = True) -> None:
+        """`plain_copy`: an fp32 weight is kept plain beside its packed copy, for the few-row path
+        to choose between (`settle_few_row_path`); without, packed only (where oneDNN packs it)."""
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.weight: torch.Tensor | None = weight
         self.packed = packed_for_onednn(weight)
-        if self.packed is not None and weight.dtype == torch.bfloat16:
-            self.weight = None  # every batch size is as fast or faster packed
+        # The packed copy as blocks one row's product and an embedding lookup read in place
+        # (packed_rows.py), where oneDNN laid it out so: checked now, while the plain one is here.
+        self.rows = rows_of(self.packed, weight)
+        if self.packed is not None and (weight.dtype == torch.bfloat16 or not plain_copy):
+            self.weight = None  # bf16: every batch size is as fast or faster packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and (self.weight is None or x.shape[0] > PLAIN_FP32_ROWS):
