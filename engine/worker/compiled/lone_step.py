@@ -40,7 +40,7 @@ class LoneStep(torch.nn.Module):
     for one row. The compiled package is built without weights and handed these when loaded
     (`constants`): the process holds each weight once where the packed one is read, and the
     package none. That layout streams a little slower for one row than `MatVec`'s, whose loops
-    the compiler fuses with the ops around them (one chat ~5-13% slower in bf16 on a 2-core EPYC);
+    the compiler fuses with the ops around them (one chat ~10% slower in bf16 on a 2-core EPYC);
     a second copy of every weight costs more: a 1B model in bf16 is 2 GB.
 
     A packed matrix is one product, a call into packed_rows.c (each call its own parallel region:
