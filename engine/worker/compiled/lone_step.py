@@ -73,9 +73,10 @@ class LoneStep(torch.nn.Module):
         """The weights by the names a compiled package of this step asks for them: a tensor under
         two names (a tied head's packed rows, which are the embedding too) by its first only, as
         the package's graph holds it once."""
-        named: dict[str, torch.Tensor] = {}
+        named, held = {}, set()
         for name, parameter in self.named_parameters():
-            if not any(parameter.data_ptr() == kept.data_ptr() and parameter.shape == kept.shape for kept in named.values()):
+            if (parameter.data_ptr(), parameter.shape) not in held:
+                held.add((parameter.data_ptr(), parameter.shape))
                 named[name] = parameter.data
         return named
 
